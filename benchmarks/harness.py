@@ -1,0 +1,122 @@
+"""Shared machinery for side-by-side benchmarks: ours and the rival in the same run, interleaved.
+
+Every benchmark times each contender in alternation (ours, rival, ours, rival, ...) so that drift in the
+machine's load hits both alike, then reports medians and the ratio. Memory is the peak RSS of the whole
+process tree (a contender that forks workers is charged for all of them), sampled from a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    peak_rss_mb: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def peak_mb(self) -> float | None:
+        return max(self.peak_rss_mb) if self.peak_rss_mb else None
+
+
+def interleave(contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, Result]:
+    """Time in-process callables in alternation; returns per-contender wall times (seconds)."""
+    results = {name: Result(name) for name in contenders}
+    for round_index in range(warmup + repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                results[name].seconds.append(elapsed)
+    return results
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    total = 0
+    try:
+        procs = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run_measured(argv: list[str], interval: float = 0.01) -> tuple[float, float, str]:
+    """Run a command; return (wall seconds, peak RSS of its process tree in MB, stdout)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    handle = psutil.Process(proc.pid)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss(handle))
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, _ = proc.communicate()
+    elapsed = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark command failed ({proc.returncode}): {' '.join(argv)}")
+    return elapsed, peak / 2**20, stdout
+
+
+def interleave_commands(commands: dict[str, list[str]], repeats: int) -> dict[str, Result]:
+    """Run whole commands in alternation, measuring wall time and peak RSS of each process tree."""
+    results = {name: Result(name) for name in commands}
+    for _ in range(repeats):
+        for name, argv in commands.items():
+            seconds, peak_mb, _ = run_measured(argv)
+            results[name].seconds.append(seconds)
+            results[name].peak_rss_mb.append(peak_mb)
+    return results
+
+
+def python_command(code: str) -> list[str]:
+    """argv that runs a snippet of Python in a fresh interpreter (same venv)."""
+    return [sys.executable, "-c", code]
+
+
+def report(title: str, results: dict[str, Result], ours: str, rival: str, unit_work: float | None = None,
+           unit: str = "") -> dict:
+    """Print a small table with medians and the ours/rival time ratio (<1 means we are faster)."""
+    a, b = results[ours], results[rival]
+    ratio = a.median / b.median
+    print(f"\n## {title}")
+    print(f"| contender | median s | peak RSS MB | {unit + '/s' if unit else ''} |")
+    print("|---|---:|---:|---:|")
+    for r in (a, b):
+        rate = f"{unit_work / r.median:,.1f}" if unit_work else ""
+        peak = f"{r.peak_mb:,.0f}" if r.peak_mb is not None else "-"
+        print(f"| {r.name} | {r.median:.3f} | {peak} | {rate} |")
+    print(f"time ratio {ours}/{rival} = {ratio:.2f} (<= 1.0 means ours is at least as fast)")
+    summary = {"title": title, "ours": ours, "rival": rival, "time_ratio": ratio,
+               "medians_s": {r.name: r.median for r in (a, b)},
+               "peak_rss_mb": {r.name: r.peak_mb for r in (a, b)}}
+    print("JSON " + json.dumps(summary))
+    return summary

@@ -1,0 +1,66 @@
+"""The ``scratchlm`` command: one subcommand per stage of the pipeline.
+
+Each stage owns its subcommand in a small ``commands`` module that exposes ``register(subparsers)``; this
+file only lists them in pipeline order. Heavy imports (torch) happen inside the handlers so that
+``scratchlm --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Pipeline order: what `scratchlm --help` lists, top to bottom.
+COMMAND_MODULES = [
+    "scratchlm.demo",
+    "scratchlm.tokenizer.commands",
+    "scratchlm.data.commands",
+    "scratchlm.train.commands",
+    "scratchlm.generate_commands",
+    "scratchlm.experiments.commands",
+    "scratchlm.accounting_commands",
+    "scratchlm.compat.commands",
+]
+
+
+class UserError(Exception):
+    """A problem with the user's input (file, flag, value): printed as one clear line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scratchlm",
+        description="Build and train Transformer language models from scratch: "
+        "tokenizer -> data -> model -> train -> generate.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:  # a real missing dependency, not a stage that is not built yet
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, FileNotFoundError, PermissionError, ValueError) as error:
+        print(f"scratchlm {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"scratchlm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

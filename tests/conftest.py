@@ -1,0 +1,45 @@
+"""Shared test fixtures: the real data in ../shared/data (skipped with a reason when absent) and seeding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scratchlm.paths import DATA_DIR_ENV, describe_search, shared_data_file
+
+
+def require_shared(relative: str) -> Path:
+    """Path of a shared data file, or skip the test naming what is missing and where it was looked for."""
+    path = shared_data_file(relative)
+    if path is None:
+        pytest.skip(f"shared data file {relative!r} not found (looked in: {describe_search()}; "
+                    f"set {DATA_DIR_ENV} to point at the shared data folder)")
+    return path
+
+
+@pytest.fixture
+def gpt2_files() -> tuple[Path, Path]:
+    """(vocab.json, merges.txt) of the real GPT-2 tokenizer."""
+    return require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+
+
+@pytest.fixture
+def tinystories_sample() -> Path:
+    return require_shared("fixtures/tinystories_sample.txt")
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device (none available)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
