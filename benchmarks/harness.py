@@ -7,6 +7,7 @@ process tree (a contender that forks workers is charged for all of them), sample
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -54,10 +55,8 @@ def _tree_rss(process: psutil.Process) -> int:
     except psutil.NoSuchProcess:
         return 0
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
     return total
 
 

@@ -17,9 +17,9 @@ COMMAND_MODULES = [
     "scratchlm.tokenizer.commands",
     "scratchlm.data.commands",
     "scratchlm.train.commands",
-    "scratchlm.generate_commands",
+    "scratchlm.generate.commands",
     "scratchlm.experiments.commands",
-    "scratchlm.accounting_commands",
+    "scratchlm.accounting.commands",
     "scratchlm.compat.commands",
 ]
 

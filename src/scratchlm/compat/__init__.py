@@ -1,0 +1,1 @@
+"""compat stage of scratchlm."""

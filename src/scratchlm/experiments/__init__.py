@@ -1,0 +1,1 @@
+"""experiments stage of scratchlm."""

@@ -1,0 +1,1 @@
+"""optim stage of scratchlm."""

@@ -1,0 +1,1 @@
+"""tokenizer stage of scratchlm."""

@@ -1,0 +1,57 @@
+"""Pre-tokenization: split text on special tokens, then into GPT-2 pre-tokens.
+
+BPE never merges across a pre-token boundary, and special tokens are cut out before the regex runs, so they
+never take part in merges and no pre-token crosses them. Both the trainer and the encoder use this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import regex
+
+# GPT-2's pattern (the one tiktoken calls "r50k_base"/"gpt2").
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_SPLIT_REGEX = regex.compile(GPT2_SPLIT_PATTERN)
+
+
+def validate_special_tokens(special_tokens: Iterable[str] | None) -> list[str]:
+    """Reject empty and duplicate special tokens; return them as a list (order kept)."""
+    tokens = list(special_tokens or [])
+    seen: set[str] = set()
+    for position, token in enumerate(tokens):
+        if not isinstance(token, str) or token == "":
+            raise ValueError(f"special token #{position} is empty or not a string: {token!r}")
+        if token in seen:
+            raise ValueError(f"special token {token!r} is given more than once")
+        seen.add(token)
+    return tokens
+
+
+def special_token_regex(special_tokens: Iterable[str]) -> regex.Pattern | None:
+    """A regex that matches any special token, longest first (so overlapping specials match the longest)."""
+    tokens = sorted(set(special_tokens), key=len, reverse=True)
+    if not tokens:
+        return None
+    return regex.compile("|".join(regex.escape(token) for token in tokens))
+
+
+def split_on_special_tokens(text: str, special_regex: regex.Pattern | None) -> Iterator[tuple[str, bool]]:
+    """Yield (piece, is_special) in order; ordinary pieces may be empty strings and are skipped."""
+    if special_regex is None:
+        if text:
+            yield text, False
+        return
+    position = 0
+    for match in special_regex.finditer(text):
+        if match.start() > position:
+            yield text[position:match.start()], False
+        yield match.group(), True
+        position = match.end()
+    if position < len(text):
+        yield text[position:], False
+
+
+def pretokens(text: str) -> list[str]:
+    """GPT-2 pre-tokens of text that holds no special tokens."""
+    return GPT2_SPLIT_REGEX.findall(text)
