@@ -1,0 +1,98 @@
+"""ModelConfig: the shape and architecture switches of a TransformerLM, plus named presets.
+
+The config is the single source of truth for a model: the trainer saves it beside every checkpoint, and
+`TransformerLM(config)` rebuilds the same model from it. Ablations are switches here, never forks of the
+model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+NORMS = ("rmsnorm", "layernorm", "none")
+NORM_POSITIONS = ("pre", "post")
+POSITIONS = ("rope", "nope")
+FFNS = ("swiglu", "silu")
+
+
+def swiglu_hidden_size(d_model: int, multiple_of: int = 64) -> int:
+    """≈ 8/3 · d_model rounded up to a multiple of 64: keeps SwiGLU's 3 matrices at the 2-matrix FFN's cost."""
+    target = 8 * d_model / 3
+    return int(-(-target // multiple_of) * multiple_of)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 10_000
+    context_length: int = 256
+    d_model: int = 512
+    num_layers: int = 4
+    num_heads: int = 16
+    d_ff: int | None = None  # None: derived from `ffn` (SwiGLU ≈ 8/3·d rounded to 64; SiLU FFN 4·d)
+    rope_theta: float = 10_000.0
+    norm: str = "rmsnorm"  # rmsnorm | layernorm | none
+    norm_position: str = "pre"  # pre | post
+    position: str = "rope"  # rope | nope
+    ffn: str = "swiglu"  # swiglu | silu
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got d_model/num_heads = {self.head_dim}")
+        for name, allowed in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("position", POSITIONS),
+                              ("ffn", FFNS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.d_ff is None:
+            self.d_ff = swiglu_hidden_size(self.d_model) if self.ffn == "swiglu" else 4 * self.d_model
+        if self.d_ff <= 0:
+            raise ValueError(f"model.d_ff must be positive, got {self.d_ff}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset, optionally with some fields overridden (an ablation = preset + a small diff)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+_GPT2 = dict(vocab_size=50_257, context_length=1024)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough that a forward+backward takes milliseconds on a CPU: used by the tests.
+    "tiny": dict(vocab_size=256, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=128),
+    # The CS336 assignment-1 TinyStories model (~17M non-embedding parameters).
+    "tinystories-17m": dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16,
+                            d_ff=1344, rope_theta=10_000.0),
+    # GPT-2 shapes with this architecture (SwiGLU with d_ff = 4·d as in the CS336 accounting exercise).
+    "gpt2-small": dict(**_GPT2, d_model=768, num_layers=12, num_heads=12, d_ff=4 * 768),
+    "gpt2-medium": dict(**_GPT2, d_model=1024, num_layers=24, num_heads=16, d_ff=4 * 1024),
+    "gpt2-large": dict(**_GPT2, d_model=1280, num_layers=36, num_heads=20, d_ff=4 * 1280),
+    "gpt2-xl": dict(**_GPT2, d_model=1600, num_layers=48, num_heads=25, d_ff=4 * 1600),
+}
