@@ -39,6 +39,17 @@ def machine_description() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__}"
 
 
+def previous_sections() -> dict[str, str]:
+    """Sections of the existing docs/benchmarks.md by benchmark name, so a partial rerun keeps the others."""
+    if not DOC.exists():
+        return {}
+    sections = {}
+    for chunk in DOC.read_text().split("\n## ")[1:]:
+        name = chunk.split()[0]
+        sections[name] = "## " + chunk.rstrip() + "\n"
+    return sections
+
+
 def run_one(script: Path, quick: bool) -> tuple[str, str, float, int]:
     argv = [sys.executable, str(script.relative_to(ROOT))] + (["--quick"] if quick else [])
     command = " ".join([".venv/bin/python", *argv[1:]])
@@ -57,21 +68,21 @@ def main() -> int:
     scripts = sorted(BENCH_DIR.glob("bench_*.py"))
     if args.only:
         scripts = [s for s in scripts if s.stem in set(args.only)]
-    sections = []
+    sections = previous_sections()
     failed = 0
     for script in scripts:
         print(f"running {script.name} ...", flush=True)
         command, output, seconds, code = run_one(script, args.quick)
         failed += code != 0
         status = "" if code == 0 else f" — FAILED (exit {code})"
-        sections.append(f"## {script.stem}{status}\n\n```\n{command}\n```\n\n{output.strip()}\n\n"
-                        f"_(took {seconds:.0f} s)_\n")
+        today = datetime.date.today().isoformat()
+        sections[script.stem] = (f"## {script.stem}{status}\n\nRecorded {today}:\n\n```\n{command}\n```\n\n"
+                                 f"{output.strip()}\n\n_(took {seconds:.0f} s)_\n")
         print(output)
-    today = datetime.date.today().isoformat()
-    header = (f"# Benchmarks\n\nLatest figures, recorded by `benchmarks/run_all.py{' --quick' if args.quick else ''}` "
-              f"on {today}, on {machine_description()}.\nEvery benchmark runs scratchlm and its rival in the same "
-              f"run, interleaved, and reports medians and the ratio. Rerun one section with the command shown.\n\n")
-    DOC.write_text(header + "\n".join(sections))
+    header = (f"# Benchmarks\n\nFigures recorded by `benchmarks/run_all.py` on {machine_description()}.\n"
+              "Every benchmark runs scratchlm and its rival in the same run, interleaved, and reports medians and "
+              "the ratio. Rerun one section with the command shown under it.\n\n")
+    DOC.write_text(header + "\n".join(sections[name] for name in sorted(sections)))
     print(f"wrote {DOC}")
     return 1 if failed else 0
 
