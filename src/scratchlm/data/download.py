@@ -1,0 +1,125 @@
+"""Fetch public corpora: `scratchlm data download tinystories`.
+
+Downloads the TinyStories V2 (GPT-4) train/valid text files that CS336 assignment 1 uses, from the Hugging
+Face dataset repository ``roneneldan/TinyStories``.
+
+Design:
+- stdlib ``urllib`` only, streamed in 1 MiB blocks to ``NAME.part`` beside the target, fsynced, then renamed
+  onto ``NAME``: a file with the final name is always complete.
+- Skip a file that is already present with the size the server announces; resume an interrupted download from
+  ``NAME.part`` with an HTTP Range request (restarting from zero when the server ignores ranges).
+- Offline or unreachable servers give one clear error naming the URL, never a traceback.
+- A progress bar (tqdm) only on a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+TINYSTORIES_BASE_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main"
+TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
+DEFAULT_OUT_DIR = Path("data/tinystories")
+BLOCK_SIZE = 1 << 20
+TIMEOUT_S = 60
+
+
+class DownloadError(ValueError):
+    """A download failed (offline, HTTP error, truncated transfer); the message names the URL."""
+
+
+def download_tinystories(out_dir: str | Path = DEFAULT_OUT_DIR, *, base_url: str = TINYSTORIES_BASE_URL,
+                         files: Sequence[str] = TINYSTORIES_FILES, progress: bool = True) -> list[Path]:
+    """Download each of ``files`` from ``base_url`` into ``out_dir``; returns the local paths in order."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [download_file(f"{base_url.rstrip('/')}/{name}", out / name, progress=progress) for name in files]
+
+
+def download_file(url: str, target: Path, *, progress: bool = True) -> Path:
+    """Download ``url`` to ``target`` atomically; skip when present with the remote size, resume a ``.part``."""
+    remote_size = _remote_size(url)
+    if target.exists() and remote_size is not None and target.stat().st_size == remote_size:
+        return target
+    partial = target.with_name(target.name + ".part")
+    offset = partial.stat().st_size if partial.exists() else 0
+    if remote_size is not None and offset > remote_size:  # a stale .part from another version of the file
+        offset = 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-"} if offset else {})
+    try:
+        with _open(request) as response:
+            if offset and response.status != 206:  # server ignored the range: start over
+                offset = 0
+            expected = _content_length(response)
+            total = offset + expected if expected is not None else remote_size
+            _stream(response, partial, offset, total, progress=progress and sys.stderr.isatty(), label=target.name)
+    except OSError as error:  # network errors while streaming (reset, timeout) keep the .part for resuming
+        raise DownloadError(f"download of {url} interrupted: {error}; rerun to resume from {partial}") from error
+    got = partial.stat().st_size
+    if total is not None and got != total:
+        raise DownloadError(f"download of {url} is truncated: got {got:,} of {total:,} bytes; "
+                            f"rerun to resume from {partial}")
+    os.replace(partial, target)
+    return target
+
+
+def _open(request: urllib.request.Request):
+    """urlopen with errors turned into one clear DownloadError (offline, DNS, HTTP status)."""
+    try:
+        return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as error:
+        raise DownloadError(f"cannot download {request.full_url}: HTTP {error.code} {error.reason}") from error
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise DownloadError(f"cannot reach {request.full_url}: {reason} (offline? use --base-url for a mirror, "
+                            f"or --data to train on local text)") from error
+
+
+def _remote_size(url: str) -> int | None:
+    """The file's size from a HEAD request, or None when the server does not say."""
+    with _open(urllib.request.Request(url, method="HEAD")) as response:
+        return _content_length(response)
+
+
+def _content_length(response) -> int | None:
+    value = response.headers.get("Content-Length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _stream(response, partial: Path, offset: int, total: int | None, *, progress: bool, label: str) -> None:
+    """Copy the response body to ``partial`` (appending at ``offset``), then fsync it."""
+    with open(partial, "r+b" if offset else "wb") as sink, \
+            tqdm(total=total, initial=offset, unit="B", unit_scale=True, desc=label, disable=not progress) as bar:
+        sink.seek(offset)
+        sink.truncate()
+        while block := response.read(BLOCK_SIZE):
+            sink.write(block)
+            bar.update(len(block))
+        sink.flush()
+        os.fsync(sink.fileno())
+
+
+def register_download(data_subparsers) -> None:
+    """Add `download` to the `scratchlm data` subcommands."""
+    parser = data_subparsers.add_parser(
+        "download", help="download a public corpus (needs the internet)",
+        description="Download the TinyStories V2 (GPT-4) train/valid text files used by CS336 assignment 1. "
+                    "Files already present with the right size are skipped; interrupted downloads resume.")
+    parser.add_argument("dataset", choices=["tinystories"], help="which corpus to fetch")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR, help=f"folder (default: {DEFAULT_OUT_DIR})")
+    parser.add_argument("--base-url", default=TINYSTORIES_BASE_URL, help="mirror URL holding the files")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_download_command)
+
+
+def _download_command(args) -> int:
+    paths = download_tinystories(args.out, base_url=args.base_url, progress=not args.quiet)
+    for path in paths:
+        print(f"{path}  ({path.stat().st_size:,} bytes)")
+    return 0
