@@ -1,0 +1,313 @@
+"""RunConfig: everything a training run needs, as four dataclasses (model, optim, data, train).
+
+Configs flow one way: TOML file(s) -> plain dict -> dotted ``--set`` overrides -> dataclasses, validated once in
+``__post_init__``. A TOML file may start from another (``extends = "base.toml"``) and a ``[model]`` table may
+name a preset (``preset = "tinystories-17m"``), so presets and ablations are small diffs. Unknown keys and wrong
+types are errors that list the valid keys / the expected type. Data paths written in a TOML file are relative
+to that file's folder; paths given with ``--set`` and ``train.run_dir`` are relative to the working directory.
+The resolved config is written back with ``save_toml`` (a tiny writer: the format is four flat tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scratchlm.model.config import PRESETS, ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
+
+DTYPES = ("fp32", "bf16")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
+    min_lr: float = 1e-4  # floor of the cosine decay
+    warmup_iters: int = 100
+    cosine_cycle_iters: int | None = None  # None: decay over the whole run (train.max_steps)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only (norm gains and embeddings-as-vectors skip it)
+    grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        _require(self.warmup_iters >= 0, f"optim.warmup_iters must be >= 0, got {self.warmup_iters}")
+        _require(all(0 <= b < 1 for b in self.betas), f"optim.betas must each be in [0, 1), got {self.betas}")
+        _require(self.eps > 0, f"optim.eps must be positive, got {self.eps}")
+        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""  # token file written by `scratchlm data encode`
+    val_path: str = ""  # "" disables evaluation
+    tokenizer: str | None = None  # tokenizer directory: its hash is checked against the token files
+    batch_size: int = 32  # sequences per optimizer step (split into train.grad_accum_steps micro-batches)
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps; the schedule decays over them
+    grad_accum_steps: int = 1  # micro-batches per step: data.batch_size must be divisible by it
+    device: str = "auto"  # auto (cuda -> mps -> cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "fp32"  # fp32 | bf16 (autocast; the master weights stay fp32)
+    compile: bool = False  # torch.compile the model
+    fused_attention: bool = False  # use torch's fused SDPA kernel in attention (speed; ours is the default)
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 20  # validation batches per evaluation (the same ones every time)
+    checkpoint_every: int = 500
+    keep_last: int = 3
+    seed: int = 0  # seeds the initialization and the batch sampler
+    run_dir: str = "runs/run"
+    max_loss: float | None = None  # a train loss above this counts as divergence (non-finite always does)
+    wandb: bool = False
+    wandb_project: str = "scratchlm"
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_last"):
+            _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        _require(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(bool(DEVICE_PATTERN.match(self.device)),
+                 f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
+        _require(bool(self.run_dir), "train.run_dir must not be empty")
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+PATH_KEYS = {"data": ("train_path", "val_path", "tokenizer")}  # resolved against the defining TOML's folder
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        steps = self.train.max_steps
+        _require(self.optim.warmup_iters <= steps,
+                 f"optim.warmup_iters ({self.optim.warmup_iters}) must not exceed train.max_steps ({steps})")
+        _require(self.data.batch_size % self.train.grad_accum_steps == 0,
+                 f"data.batch_size ({self.data.batch_size}) must be divisible by train.grad_accum_steps "
+                 f"({self.train.grad_accum_steps})")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.data.batch_size // self.train.grad_accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.batch_size * self.model.context_length
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from ``{"model": {...}, "optim": {...}, ...}``; missing sections/keys take defaults."""
+        _check_keys(values, SECTIONS, "config")
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            table = values.get(name, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"config section [{name}] must be a table, got {table!r}")
+            sections[name] = _build_section(name, section_cls, table)
+        return cls(**sections)
+
+    def with_overrides(self, overrides: list[str]) -> RunConfig:
+        """A copy with dotted ``section.key=value`` overrides applied (strings parsed to each field's type)."""
+        values = self.to_dict()
+        apply_overrides(values, overrides)
+        return RunConfig.from_dict(values)
+
+    def save_toml(self, path: str | Path) -> None:
+        Path(path).write_text(to_toml(self.to_dict()), encoding="utf-8")
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML config (following ``extends``), apply ``--set`` overrides, build and validate it."""
+    values = read_toml_tree(Path(path))
+    apply_overrides(values, overrides or [])
+    try:
+        return RunConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def read_toml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The merged dict of a TOML file and the files it ``extends`` (the child's keys win)."""
+    path = path.resolve()
+    if path in _seen:
+        raise ValueError(f"config {path} extends itself (cycle: {' -> '.join(str(p) for p in (*_seen, path))})")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: invalid TOML: {error}") from None
+    _resolve_paths(values, path.parent)
+    parent = values.pop("extends", None)
+    if parent is None:
+        return values
+    if not isinstance(parent, str):
+        raise ValueError(f"{path}: extends must be a file name string, got {parent!r}")
+    base = read_toml_tree(path.parent / parent, (*_seen, path))
+    for name, table in values.items():
+        if isinstance(table, dict) and isinstance(base.get(name), dict):
+            base[name] = {**base[name], **table}
+        else:
+            base[name] = table
+    return base
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
+    """Apply ``section.key=value`` strings in place; the value string is parsed to the field's type."""
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-3")
+        _check_keys({section: None}, SECTIONS, "config")
+        types_ = _field_types(SECTIONS[section])
+        if section == "model":
+            types_["preset"] = str
+        _check_keys({key: None}, types_, f"[{section}]")
+        values.setdefault(section, {})[key] = parse_value(raw.strip(), types_[key], f"{section}.{key}")
+
+
+def parse_value(raw: str, annotation: Any, name: str) -> Any:
+    """Parse a command-line string to ``annotation`` (int, float incl. 3e-3, bool, str, tuples, optionals)."""
+    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    if type(None) in options and raw.lower() in ("none", "null"):
+        return None
+    target = next(t for t in options if t is not type(None))
+    try:
+        if typing.get_origin(target) is tuple:
+            parts = [p for p in re.split(r"[,\s]+", raw.strip("()[] ")) if p]
+            return tuple(parse_value(p, t, name) for p, t in zip(parts, typing.get_args(target), strict=True))
+        if target is bool:
+            lowered = raw.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return lowered in ("true", "1", "yes")
+        return target(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected {_type_name(annotation)}") from None
+
+
+def to_toml(values: dict[str, dict[str, Any]]) -> str:
+    """TOML text for flat tables of scalars and tuples (None values are omitted: they mean 'default')."""
+    lines = []
+    for section, table in values.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return repr(value)  # repr round-trips the float exactly and is valid TOML (1e-05, 0.001, 10000.0)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
+
+
+def _toml_string(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{escaped}"'
+
+
+def _build_section(name: str, section_cls: type, table: dict[str, Any]) -> Any:
+    table = dict(table)
+    if name == "model" and "preset" in table:
+        preset = table.pop("preset")
+        if preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)}")
+        table = {**PRESETS[preset], **table}
+    types_ = _field_types(section_cls)
+    _check_keys(table, types_, f"[{name}]")
+    return section_cls(**{key: _coerce(value, types_[key], f"{name}.{key}") for key, value in table.items()})
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Check a TOML value against a field type; ints widen to floats and lists become tuples."""
+    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    for target in options:
+        if target is type(None) and value is None:
+            return None
+        if typing.get_origin(target) is tuple and isinstance(value, list | tuple):
+            args = typing.get_args(target)
+            if len(value) == len(args):
+                return tuple(_coerce(v, t, name) for v, t in zip(value, args))
+        if target is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if target in (int, str, bool) and type(value) is target:
+            return value
+    raise ValueError(f"{name} must be {_type_name(annotation)}, got {value!r} ({type(value).__name__})")
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _check_keys(values: dict[str, Any], valid: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; valid keys: {sorted(valid)}")
+
+
+def _resolve_paths(values: dict[str, Any], folder: Path) -> None:
+    for section, keys in PATH_KEYS.items():
+        table = values.get(section)
+        if not isinstance(table, dict):
+            continue
+        for key in keys:
+            if isinstance(table.get(key), str) and table[key] and not Path(table[key]).is_absolute():
+                table[key] = str((folder / table[key]).resolve())
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _type_name(annotation: Any) -> str:
+    if _is_union(annotation):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is tuple:
+        return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(annotation))
+    return "none" if annotation is type(None) else annotation.__name__
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
