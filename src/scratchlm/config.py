@@ -193,6 +193,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
             types_["preset"] = str
         _check_keys({key: None}, types_, f"[{section}]")
         values.setdefault(section, {})[key] = parse_value(raw.strip(), types_[key], f"{section}.{key}")
+    _resolve_paths(values, Path.cwd())  # a path typed on the command line is relative to where it was typed
 
 
 def parse_value(raw: str, annotation: Any, name: str) -> Any:
@@ -242,7 +243,8 @@ def _toml_value(value: Any) -> str:
 
 
 def _toml_string(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    # Backslash, quote and control characters are the only ones a TOML basic string cannot hold literally.
+    escaped = "".join(f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c for c in text)
     return f'"{escaped}"'
 
 
