@@ -1,0 +1,138 @@
+"""Causal multi-head self-attention with rotary position embeddings, from tensor primitives.
+
+- `scaled_dot_product_attention(Q, K, V, mask)`: softmax(Q Kᵀ / √d_k) V over arbitrary leading dims. `mask` is
+  bool, True = may attend, broadcastable to (..., T_q, T_k). A query row whose keys are ALL masked returns
+  zeros (not NaN): that happens for left-padding positions in a batch, whose outputs are never used, and NaNs
+  there would still poison the backward pass and reductions.
+- `RotaryPositionalEmbedding`: rotates ADJACENT pairs (x₂ᵢ, x₂ᵢ₊₁) by angle pos · θ^(-2i/d_k), as the CS336
+  reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2) instead; compat/hf.py permutes Q/K rows to map).
+  cos/sin tables are precomputed once as non-persistent buffers (never saved in checkpoints).
+- `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names)
+  but one fused QKV matmul in forward; a cached lower-triangular bool mask; an optional KV cache for decoding.
+  `use_fused_sdpa = True` switches the attention core to torch's built-in SDPA kernel: the ONE sanctioned use of
+  torch.nn.functional in model code, off by default, tested against ours; the trainer may turn it on for speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from scratchlm.model.kv_cache import KVCache
+from scratchlm.model.layers import Linear, softmax
+
+
+def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+                                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
+    # Scaling Q (T·d_k elements) is cheaper than scaling the scores (T·T elements).
+    scores = (Q * (1.0 / math.sqrt(Q.shape[-1]))) @ K.transpose(-2, -1)  # (..., T_q, T_k)
+    if mask is None:
+        return softmax(scores, dim=-1) @ V
+    # In place is safe: the matmul's backward needs Q and K, not its output.
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    probs = softmax(scores, dim=-1)  # fully masked rows are NaN here (0/0)...
+    probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # ...and become zeros
+    return probs @ V
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    """RoPE on adjacent pairs. forward(x (..., T, d_k), token_positions (..., T) long) -> same shape as x."""
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None) -> None:
+        super().__init__()
+        if d_k % 2:
+            raise ValueError(f"RoPE needs an even d_k, got {d_k}")
+        self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
+        inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.int64).float() / d_k)
+        angles = torch.arange(max_seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (S, d_k/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[token_positions].to(x.dtype)  # (..., T, d_k/2)
+        sin = self.sin[token_positions].to(x.dtype)
+        pairs = x.unflatten(-1, (-1, 2))  # (..., T, d_k/2, 2): a view, no copy
+        x_even, x_odd = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rotated.flatten(-2)  # (..., T, d_k)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Causal MHSA. theta=None means no position encoding (the "nope" ablation)."""
+
+    def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if theta is not None and max_seq_len is None:
+            raise ValueError("RoPE (theta given) needs max_seq_len for its cos/sin tables")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.max_seq_len = max_seq_len
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.rope = None if theta is None else RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device)
+        causal = None
+        if max_seq_len is not None:
+            causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril()
+        self.register_buffer("causal_mask", causal, persistent=False)
+        self.use_fused_sdpa = False
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, layer_index: int = 0,
+                key_padding: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model).
+
+        token_positions (T,) or (B, T): RoPE positions (default: past length + arange(T)).
+        kv_cache: keys/values of earlier calls; this call appends its own (the model advances the length).
+        key_padding (B, T_k) bool, True = real token: keys that are padding are never attended.
+        """
+        T = x.shape[-2]
+        past = kv_cache.length if kv_cache is not None else 0
+        w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (3d, d)
+        qkv = (x @ w_qkv.t()).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, H, d_k)
+        q, k, v = qkv.movedim(-3, 0).transpose(-3, -2).unbind(0)  # each (B, H, T, d_k)
+        if self.rope is not None:
+            if token_positions is None:
+                token_positions = torch.arange(past, past + T, device=x.device)
+            positions = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (B,1,T)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_index, k, v)  # (B, H, past + T, d_k)
+        mask = self._mask(T, past, key_padding, x.device)
+        if self.use_fused_sdpa:
+            out = self._fused_sdpa(q, k, v, mask, is_causal=key_padding is None and past == 0)
+        else:
+            out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, d_k)
+        return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
+
+    def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:
+        """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given."""
+        total = past + T
+        if self.causal_mask is not None:
+            if total > self.causal_mask.shape[0]:
+                raise ValueError(f"sequence length {total} exceeds max_seq_len {self.causal_mask.shape[0]}")
+            causal = self.causal_mask[past:total, :total]
+        else:
+            causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()[past:]
+        if key_padding is None:
+            return causal
+        return causal & key_padding[:, None, None, :total]
+
+    @staticmethod
+    def _fused_sdpa(q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        # The sanctioned exception to "no torch.nn.functional": opt-in speed path, tested against ours.
+        from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+
+        if is_causal:
+            return torch_sdpa(q, k, v, is_causal=True)
+        out = torch_sdpa(q, k, v, attn_mask=mask)
+        return out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # same fully-masked-row rule as ours

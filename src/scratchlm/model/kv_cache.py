@@ -1,0 +1,78 @@
+"""KVCache: preallocated per-layer key/value buffers for incremental decoding.
+
+Design: one (B, H, T_max, d_k) key buffer and one value buffer per layer, allocated once; `length` is how many
+positions are filled (shared by all rows of the batch). Each attention layer writes its new keys/values at
+[length, length + T) through `update`; the model calls `advance(T)` once after all layers ran.
+
+Batches of prompts with different lengths use LEFT padding, so every row has the same `length`. The cache
+keeps a (B, T_max) bool `key_padding` (True = real token) and, per row, the next RoPE position
+(`next_position`): padding never gets attended, and each row's real tokens are numbered 0, 1, 2, ... however
+much padding precedes them. `TransformerLM.forward(ids, attention_mask=..., kv_cache=cache)` fills both;
+`attention_mask` always describes the NEW tokens (same shape as `ids`), and omitting it means "all real".
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, max_seq_len: int, head_dim: int,
+                 device=None, dtype=torch.float32) -> None:
+        shape = (batch_size, num_heads, max_seq_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.key_padding = torch.ones(batch_size, max_seq_len, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_seq_len = max_seq_len
+        self.length = 0
+        self.has_padding = False  # set once any call passed an attention_mask: then masks are applied
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> KVCache:
+        """A cache sized for `model` (a TransformerLM), on its device and in its dtype."""
+        cfg = model.config
+        weight = model.token_embeddings.weight
+        return cls(cfg.num_layers, batch_size, cfg.num_heads, max_seq_len or cfg.context_length, cfg.head_dim,
+                   device=weight.device, dtype=weight.dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_padding.shape[0]
+
+    def check_room(self, new_tokens: int, batch_size: int) -> None:
+        """Clear errors before any buffer is touched: wrong batch size or more tokens than the cache holds."""
+        if batch_size != self.batch_size:
+            raise ValueError(f"KV cache was built for batch size {self.batch_size}, got a batch of {batch_size}")
+        if self.length + new_tokens > self.max_seq_len:
+            raise ValueError(f"KV cache full: {self.length} cached + {new_tokens} new tokens > "
+                             f"max_seq_len {self.max_seq_len}")
+
+    def positions_for(self, attention_mask: torch.Tensor | None, new_tokens: int) -> torch.Tensor:
+        """RoPE positions (B, T) of the new tokens; records their padding mask. Does not advance the length."""
+        if attention_mask is None:
+            steps = torch.arange(1, new_tokens + 1, device=self.next_position.device).expand(self.batch_size, -1)
+        else:
+            self.key_padding[:, self.length:self.length + new_tokens] = attention_mask
+            steps = attention_mask.long().cumsum(-1)  # (B, T): 1-based count of real tokens so far in this call
+        # Padding positions get the position of the next real token (clamped at 0): harmless, never attended.
+        return (self.next_position[:, None] + steps - 1).clamp_min(0)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, T, d_k) of `layer` at the current length; return all keys/values so far."""
+        end = self.length + k.shape[-2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, new_tokens: int, attention_mask: torch.Tensor | None) -> None:
+        """Called by the model once per forward, after every layer stored its keys/values."""
+        real = new_tokens if attention_mask is None else attention_mask.long().sum(-1)
+        self.next_position += real
+        self.length += new_tokens
+
+    def reset(self) -> None:
+        self.length = 0
+        self.key_padding.fill_(True)
+        self.next_position.zero_()
+        self.has_padding = False

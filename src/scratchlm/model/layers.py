@@ -1,0 +1,141 @@
+"""The building blocks of the Transformer, from tensor primitives: Linear, Embedding, norms, silu, softmax.
+
+Each layer mirrors its torch counterpart (`nn.Linear` without bias, `nn.Embedding`, `nn.RMSNorm`,
+`nn.LayerNorm`, `F.silu`, `torch.softmax`); tests/test_layers.py proves the equality on random and extreme
+inputs. Design choices:
+- Weights are stored as the reference does (`Linear.weight` is (out, in)), so CS336 reference state dicts load
+  without any remapping.
+- Norms compute in float32 and cast back: squaring a bf16/fp16 activation of magnitude ~300 overflows fp16
+  (300² · d > 65504) and loses all precision in bf16.
+- `softmax` is an autograd.Function with a hand-written backward: it saves only its output (like
+  `torch.softmax`) instead of the four intermediates a chain of primitives would keep alive, which matters
+  for the (B, H, T, T) attention scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Normal(0, std²) truncated at ±3·std, in place."""
+    return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ without bias; W is (out_features, in_features), init N(0, 2/(in+out)) truncated at ±3σ."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()  # (..., in) @ (in, out) -> (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Embedding(nn.Module):
+    """Lookup table (num_embeddings, embedding_dim), init N(0, 1) truncated at ±3."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        _trunc_normal_(self.weight, 1.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[token_ids]  # (...) -> (..., embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · g over the last dim, computed in float32 and cast back to x's dtype."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # no copy when x is already float32
+        inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) · g + b over the last dim (biased variance, as nn.LayerNorm), in float32."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        centered = x32 - x32.mean(dim=-1, keepdim=True)
+        inv_std = torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        return (centered * inv_std * self.weight.float() + self.bias.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Identity(nn.Module):
+    """The `norm = "none"` ablation: a norm slot that does nothing and holds no parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def make_norm(kind: str, d_model: int, eps: float, device=None, dtype=None) -> nn.Module:
+    """The norm named by ModelConfig.norm: rmsnorm | layernorm | none."""
+    if kind == "rmsnorm":
+        return RMSNorm(d_model, eps, device=device, dtype=dtype)
+    if kind == "layernorm":
+        return LayerNorm(d_model, eps, device=device, dtype=dtype)
+    if kind == "none":
+        return Identity()
+    raise ValueError(f"unknown norm {kind!r}; expected rmsnorm, layernorm or none")
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(x) = x · sigmoid(x)."""
+    return x * torch.sigmoid(x)
+
+
+class _Softmax(torch.autograd.Function):
+    """Softmax with a hand-written backward that keeps only the output alive: dx = y ⊙ (dy - Σ dy ⊙ y)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        # Subtracting the row max makes exp() overflow-free (largest term is exp(0) = 1).
+        y = (x - x.amax(dim=dim, keepdim=True)).exp_()
+        y /= y.sum(dim=dim, keepdim=True)
+        ctx.dim = dim
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        dot = (grad_y * y).sum(dim=ctx.dim, keepdim=True)
+        return y * (grad_y - dot), None
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Numerically stable softmax along `dim`. A row that is entirely -inf gives NaN, as torch.softmax does;
+    attention handles fully masked rows itself (see attention.scaled_dot_product_attention)."""
+    return _Softmax.apply(x, dim)

@@ -1,0 +1,163 @@
+"""The Transformer language model: feed-forward layers, the block, and TransformerLM.
+
+`TransformerLM(config)` is built entirely from a `ModelConfig`; the ablation switches (norm kind and position,
+RoPE or none, SwiGLU or SiLU FFN, tied embeddings) select modules here, never forks of the code. Parameter
+names follow the CS336 reference (`token_embeddings`, `layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`,
+`ffn.w1/w2/w3`, `ln_final`, `lm_head`) so reference weights load without remapping.
+
+The model knows nothing of devices, compile, autocast or DDP. The trainer adjusts it from outside through
+three plain attributes: `check_inputs` (the token-id range check costs a device sync on GPU; turn it off when
+the data was validated at load), `checkpoint_blocks` (activation checkpointing per block while training) and
+`set_fused_sdpa(True)` (torch's SDPA kernel for the attention core; see attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.kv_cache import KVCache
+from scratchlm.model.layers import Embedding, Linear, make_norm, silu
+
+
+class SwiGLU(nn.Module):
+    """W2 (SiLU(W1 x) ⊙ W3 x): the Llama FFN."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(silu(self.w1(x)) * self.w3(x))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
+
+
+class SiLUFFN(nn.Module):
+    """W2 SiLU(W1 x): the ungated FFN ablation (d_ff = 4·d_model keeps the parameter count near SwiGLU's)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(silu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm: x + attn(ln1(x)), then + ffn(ln2(·)). Post-norm: ln1(x + attn(x)), then ln2(· + ffn(·))."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int | None = None,
+                 theta: float | None = None, norm: str = "rmsnorm", norm_position: str = "pre",
+                 ffn: str = "swiglu", norm_eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.pre_norm = norm_position == "pre"
+        self.ln1 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
+        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, device=device, dtype=dtype)
+        self.ln2 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
+        ffn_class = SwiGLU if ffn == "swiglu" else SiLUFFN
+        self.ffn = ffn_class(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                layer_index: int = 0, key_padding: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model)."""
+        if self.pre_norm:
+            x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_index, key_padding)
+            return x + self.ffn(self.ln2(x))
+        x = self.ln1(x + self.attn(x, token_positions, kv_cache, layer_index, key_padding))
+        return self.ln2(x + self.ffn(x))
+
+
+class TransformerLM(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        theta = config.rope_theta if config.position == "rope" else None
+        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config.d_model, config.num_heads, config.d_ff, config.context_length, theta,
+                             config.norm, config.norm_position, config.ffn, config.norm_eps, device, dtype)
+            for _ in range(config.num_layers))
+        self.ln_final = make_norm(config.norm, config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        if config.tie_embeddings:
+            # One matrix for both ends, with the lm_head's init (σ = √(2/(d+V))): with the embedding's σ = 1
+            # the initial logits would have std ≈ √d_model and the first losses would be far above ln V.
+            self.token_embeddings.weight = self.lm_head.weight
+        self.check_inputs = True
+        self.checkpoint_blocks = False
+
+    def forward(self, in_indices: torch.Tensor, *, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """in_indices (B, T) int; token_positions (T,) or (B, T); attention_mask (B, T) bool, True = real token.
+
+        With `attention_mask` (left padding) and no explicit positions, each row's real tokens get positions
+        0, 1, 2, ...; padding is never attended. With `kv_cache`, the new tokens continue the cached ones.
+        """
+        self._validate(in_indices, token_positions, attention_mask, kv_cache)
+        key_padding = attention_mask
+        if kv_cache is not None:
+            kv_cache.check_room(in_indices.shape[1], in_indices.shape[0])
+            cached_positions = kv_cache.positions_for(attention_mask, in_indices.shape[1])
+            if token_positions is None and (attention_mask is not None or kv_cache.has_padding):
+                token_positions = cached_positions
+            kv_cache.has_padding |= attention_mask is not None
+            key_padding = kv_cache.key_padding if kv_cache.has_padding else None
+        elif attention_mask is not None and token_positions is None:
+            token_positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+
+        x = self.token_embeddings(in_indices)  # (B, T, d_model)
+        for index, layer in enumerate(self.layers):
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled() and kv_cache is None:
+                x = checkpoint(layer, x, token_positions, None, index, key_padding, use_reentrant=False)
+            else:
+                x = layer(x, token_positions, kv_cache, index, key_padding)
+        if kv_cache is not None:
+            kv_cache.advance(in_indices.shape[1], attention_mask)
+        return self.lm_head(self.ln_final(x))  # (B, T, vocab_size)
+
+    def _validate(self, in_indices, token_positions, attention_mask, kv_cache) -> None:
+        """Shape checks always (free); value-range checks only when `check_inputs` (they sync on GPU)."""
+        cfg = self.config
+        if in_indices.dim() != 2 or in_indices.dtype.is_floating_point or in_indices.dtype == torch.bool:
+            raise ValueError(f"in_indices must be a (batch, seq) integer tensor, got shape "
+                             f"{tuple(in_indices.shape)} dtype {in_indices.dtype}")
+        past = kv_cache.length if kv_cache is not None else 0
+        if past + in_indices.shape[1] > cfg.context_length:
+            raise ValueError(f"sequence length {past + in_indices.shape[1]} (cached {past} + new "
+                             f"{in_indices.shape[1]}) exceeds context_length {cfg.context_length}")
+        if attention_mask is not None and (attention_mask.shape != in_indices.shape
+                                           or attention_mask.dtype != torch.bool):
+            raise ValueError(f"attention_mask must be a bool tensor shaped like in_indices "
+                             f"{tuple(in_indices.shape)}, got {tuple(attention_mask.shape)} {attention_mask.dtype}")
+        if token_positions is not None and token_positions.shape[-1] != in_indices.shape[1]:
+            raise ValueError(f"token_positions must end with the sequence length {in_indices.shape[1]}, got "
+                             f"shape {tuple(token_positions.shape)}")
+        if not self.check_inputs:
+            return
+        if in_indices.numel() and (in_indices.min() < 0 or in_indices.max() >= cfg.vocab_size):
+            bad = in_indices[(in_indices < 0) | (in_indices >= cfg.vocab_size)][0].item()
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        if token_positions is not None and token_positions.numel() and (
+                token_positions.min() < 0 or token_positions.max() >= cfg.context_length):
+            raise ValueError(f"token_positions must lie in [0, {cfg.context_length}), got values in "
+                             f"[{token_positions.min().item()}, {token_positions.max().item()}]")
+
+    def set_fused_sdpa(self, enabled: bool) -> None:
+        """Use torch's SDPA kernel (True) or our from-scratch attention core (False, the default)."""
+        for layer in self.layers:
+            layer.attn.use_fused_sdpa = enabled
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Parameter count (a tied matrix counted once). non_embedding=True leaves out the input embedding
+        table, unless it is tied to lm_head (then it is the output layer and stays counted)."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding and not self.config.tie_embeddings:
+            total -= self.token_embeddings.weight.numel()
+        return total
