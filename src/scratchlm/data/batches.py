@@ -1,0 +1,142 @@
+"""Batches of (inputs, targets) token windows from a 1-D token array, usually an ``np.memmap`` of a token file.
+
+- ``get_batch``: B windows of T+1 tokens with uniform random starts in [0, n - T - 1]; inputs are the first T
+  tokens, targets the last T (shifted by one). Only the B·(T+1) sampled tokens are read: a (B, T+1) index
+  array fancy-indexes the memmap, so the OS pages in just those windows, never the whole file.
+- ``BatchSampler``: the trainer's seeded sampler. Its random stream is a numpy ``Generator`` seeded from
+  (seed, rank), so every rank of a distributed run draws a distinct stream, and its state is a JSON-able dict:
+  resuming from ``state_dict()`` reproduces the following batches exactly.
+- ``validation_batches``: the whole validation file (or its first ``max_batches``) as consecutive,
+  non-overlapping windows, in order: the same sample every evaluation, so validation curves are comparable.
+
+On CUDA the host batch is pinned and copied with ``non_blocking=True`` so the copy overlaps GPU work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_VERSION = 1
+
+
+def _check_sizes(num_tokens: int, batch_size: int, context_length: int, what: str) -> None:
+    if batch_size < 1 or context_length < 1:
+        raise ValueError(f"{what}: batch_size and context_length must be >= 1, got batch_size={batch_size}, "
+                         f"context_length={context_length}")
+    if num_tokens < context_length + 1:
+        raise ValueError(f"{what}: dataset has {num_tokens} tokens, fewer than context_length + 1 = "
+                         f"{context_length + 1} needed for one (input, target) window")
+
+
+def _as_token_array(dataset: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(dataset, np.ndarray):
+        dataset = np.asarray(dataset)
+    if dataset.ndim != 1:
+        raise ValueError(f"{what}: dataset must be a 1-D token array, got shape {dataset.shape}")
+    if dataset.dtype.kind not in "iu":
+        raise ValueError(f"{what}: dataset must hold integer token ids, got dtype {dataset.dtype}")
+    return dataset
+
+
+def _to_device(inputs: np.ndarray, targets: np.ndarray, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+    """(B, T) int arrays -> LongTensors on ``device``; pinned + non-blocking when the device is CUDA."""
+    device = torch.device(device)
+    x = torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.int64))
+    y = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def _windows_at(dataset: np.ndarray, starts: np.ndarray, context_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gather the (B, T+1) windows beginning at ``starts``; return (inputs, targets), each (B, T)."""
+    index = starts[:, None] + np.arange(context_length + 1, dtype=np.int64)  # (B, T+1)
+    windows = dataset[index]  # reads only these B*(T+1) tokens
+    return windows[:, :-1], windows[:, 1:]
+
+
+def get_batch(dataset: np.ndarray, batch_size: int, context_length: int, device: str | torch.device, *,
+              generator: np.random.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``batch_size`` random windows; returns (inputs, targets), LongTensors of shape (B, T) on device.
+
+    Without ``generator`` the global ``np.random`` state is used (seed it with ``np.random.seed``).
+    """
+    dataset = _as_token_array(dataset, "get_batch")
+    _check_sizes(len(dataset), batch_size, context_length, "get_batch")
+    high = len(dataset) - context_length  # exclusive bound: starts in [0, n - T - 1]
+    if generator is None:
+        starts = np.random.randint(0, high, size=batch_size, dtype=np.int64)
+    else:
+        starts = generator.integers(0, high, size=batch_size, dtype=np.int64)
+    return _to_device(*_windows_at(dataset, starts, context_length), device)
+
+
+class BatchSampler:
+    """Seeded, resumable random batches for one rank of a (possibly distributed) run."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, device: str | torch.device,
+                 seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"BatchSampler: rank {rank} is not in [0, world_size={world_size})")
+        self.tokens = _as_token_array(tokens, "BatchSampler")
+        _check_sizes(len(self.tokens), batch_size, context_length, "BatchSampler")
+        self.batch_size, self.context_length, self.device = batch_size, context_length, device
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.batches_drawn = 0
+        self._rng = np.random.default_rng([seed, rank])  # distinct, reproducible stream per rank
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets) batch, each (B, T) on the sampler's device."""
+        self.batches_drawn += 1
+        return get_batch(self.tokens, self.batch_size, self.context_length, self.device, generator=self._rng)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state: the generator's bit state plus what is needed to check a resume is compatible."""
+        return {"version": STATE_VERSION, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "batch_size": self.batch_size, "context_length": self.context_length,
+                "num_tokens": len(self.tokens), "batches_drawn": self.batches_drawn,
+                "bit_generator": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` left off; a state from a different setup is a ValueError."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"BatchSampler: unsupported sampler state version {state.get('version')!r} "
+                             f"(expected {STATE_VERSION})")
+        for key in ("seed", "rank", "world_size", "batch_size", "context_length", "num_tokens"):
+            mine = len(self.tokens) if key == "num_tokens" else getattr(self, key)
+            if state.get(key) != mine:
+                raise ValueError(f"BatchSampler: cannot resume, saved {key}={state.get(key)!r} but this run has "
+                                 f"{key}={mine!r}")
+        self._rng.bit_generator.state = state["bit_generator"]
+        self.batches_drawn = int(state["batches_drawn"])
+
+
+def validation_batches(tokens: np.ndarray, batch_size: int, context_length: int, device: str | torch.device,
+                       max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive non-overlapping windows over the whole file, ``batch_size`` at a time (the last may be smaller).
+
+    Window i covers inputs tokens[i*T : (i+1)*T] and targets one token later; there are (n - 1) // T windows.
+    """
+    tokens = _as_token_array(tokens, "validation_batches")
+    _check_sizes(len(tokens), batch_size, context_length, "validation_batches")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"validation_batches: max_batches must be >= 1 or None, got {max_batches}")
+    num_windows = (len(tokens) - 1) // context_length
+    num_batches = -(-num_windows // batch_size)
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    return _validation_iterator(tokens, batch_size, context_length, device, num_windows, num_batches)
+
+
+def _validation_iterator(tokens: np.ndarray, batch_size: int, context_length: int, device: str | torch.device,
+                         num_windows: int, num_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for batch_index in range(num_batches):
+        first = batch_index * batch_size
+        rows = min(batch_size, num_windows - first)
+        start = first * context_length
+        chunk = np.asarray(tokens[start:start + rows * context_length + 1])  # one contiguous read
+        yield _to_device(chunk[:-1].reshape(rows, context_length), chunk[1:].reshape(rows, context_length), device)

@@ -1,0 +1,141 @@
+"""AdamW (Loshchilov & Hutter, 2019) as a ``torch.optim.Optimizer`` subclass, from tensor primitives.
+
+Per parameter it keeps ``step`` (a CPU float32 0-d tensor, as ``torch.optim.AdamW`` does, so state dicts are
+interchangeable and reading it never syncs a GPU), ``exp_avg`` (first moment m) and ``exp_avg_sq`` (second
+moment v). One step, for learning rate lr, betas (b1, b2), weight decay wd:
+
+    theta <- theta * (1 - lr * wd)                     # decoupled weight decay, before the Adam update
+    m     <- m + (g - m) * (1 - b1)                    # lerp: same rounding as torch
+    v     <- v * b2 + (1 - b2) * g * g
+    theta <- theta - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+The operations, their order and their Python-float scalars mirror ``torch.optim.AdamW`` exactly, so both the
+per-tensor path and the multi-tensor path (``torch._foreach_*``, one call per (device, dtype) bucket) give
+bit-identical trajectories to it; the tests hold us to that. The learning rate is read from
+``param_group["lr"]`` at every step, so a schedule just writes that float.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _validate(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"AdamW: invalid learning rate {lr!r} (must be >= 0)")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"AdamW: invalid beta{index + 1} {beta!r} (must be in [0, 1))")
+    if not eps >= 0.0:
+        raise ValueError(f"AdamW: invalid eps {eps!r} (must be >= 0)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"AdamW: invalid weight_decay {weight_decay!r} (must be >= 0)")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay and bias correction; ``foreach=None`` picks the multi-tensor path."""
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
+                 foreach: bool | None = None) -> None:
+        _validate(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
+        super().__init__(params, defaults)
+
+    def _gather(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], ...]:
+        """Params that have gradients, with their grads and state (state created lazily on first use)."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                raise ValueError("AdamW does not support sparse gradients")
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            params.append(param)
+            grads.append(param.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            tensors = self._gather(group)
+            if not tensors[0]:
+                continue
+            use_foreach = group["foreach"] is None or group["foreach"]
+            update = _foreach_update if use_foreach else _single_tensor_update
+            update(*tensors, lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                   eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+
+def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                          exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
+                          beta2: float, eps: float, weight_decay: float) -> None:
+    """The update one tensor at a time: the readable reference path."""
+    for param, grad, exp_avg, exp_avg_sq, step_t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step_t += 1
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = step_t.item()  # a CPU tensor: no device sync
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float) -> None:
+    """The same update with one ``torch._foreach_*`` call per op for each (device, dtype) bucket."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for index, param in enumerate(params):
+        buckets[(param.device, param.dtype)].append(index)
+    torch._foreach_add_(steps, 1.0)
+    for indices in buckets.values():
+        b_params = [params[i] for i in indices]
+        b_grads = [grads[i] for i in indices]
+        b_exp_avgs = [exp_avgs[i] for i in indices]
+        b_exp_avg_sqs = [exp_avg_sqs[i] for i in indices]
+        step_values = [steps[i].item() for i in indices]
+        if weight_decay != 0:
+            torch._foreach_mul_(b_params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(b_exp_avgs, b_grads, 1 - beta1)
+        torch._foreach_mul_(b_exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(b_exp_avg_sqs, b_grads, b_grads, 1 - beta2)
+        neg_step_sizes = [(lr / (1 - beta1**step)) * -1 for step in step_values]
+        bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in step_values]
+        denoms = torch._foreach_sqrt(b_exp_avg_sqs)
+        torch._foreach_div_(denoms, bias_correction2_sqrts)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(b_params, b_exp_avgs, denoms, neg_step_sizes)
+
+
+def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: matrices decay, 1-D tensors (norm gains, biases) do not.
+
+    Embedding and output matrices are 2-D and therefore decay, as in the CS336 reference and nanoGPT: decay
+    keeps their rows from growing without bound for rare tokens. Tied weights appear once (``parameters()``
+    de-duplicates shared tensors). Empty groups are dropped.
+    """
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
