@@ -1,0 +1,142 @@
+"""Read a finished (or half-finished) run directory back: its resolved config and its metrics.jsonl.
+
+Sweeps ask "is this point done?" and reports ask "what happened in this run?"; both only read the files the
+trainer writes (docs/architecture.md, "Run directory"), so neither depends on the trainer's code. A run that
+was killed has no ``end`` record; a line cut short by the kill (the last line, unterminated) is ignored, but a
+malformed line anywhere else is an error naming the file and the line, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+DONE_STATUSES = ("finished", "diverged")  # a sweep never reruns these
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.toml"
+
+
+@dataclass
+class RunRecord:
+    """Everything a report needs about one run, in plain Python values."""
+
+    path: Path
+    name: str
+    config: dict[str, Any]  # flattened: {"optim.lr": 3e-3, "model.norm": "rmsnorm", ...}
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+
+    @property
+    def status(self) -> str:
+        """finished | diverged | interrupted (an end record saying so, or none at all: the process died)."""
+        return self.end["status"] if self.end else "interrupted"
+
+    @property
+    def final_val_loss(self) -> float:
+        return float(self.evals[-1]["val_loss"]) if self.evals else math.nan
+
+    @property
+    def final_val_ppl(self) -> float:
+        if not self.evals:
+            return math.nan
+        ppl = self.evals[-1].get("val_ppl")
+        return float(ppl) if ppl is not None else _safe_exp(self.final_val_loss)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Median throughput over the logged steps (the first step includes compile/warm-up, the median shrugs)."""
+        rates = [float(r["tokens_per_s"]) for r in self.train if r.get("tokens_per_s") is not None]
+        return statistics.median(rates) if rates else math.nan
+
+    @property
+    def steps(self) -> int:
+        candidates = [r["step"] for r in (*self.train, *self.evals)] + ([self.end["step"]] if self.end else [])
+        return int(max(candidates)) if candidates else 0
+
+    @property
+    def wall_time(self) -> float:
+        times = [float(r["wall_time"]) for r in (*self.train, *self.evals) if r.get("wall_time") is not None]
+        return max(times) if times else math.nan
+
+
+def _safe_exp(value: float) -> float:
+    return math.exp(value) if value < 700 else math.inf
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: the dotted names users type in overrides."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file; a truncated final line (a killed writer) is dropped."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            is_cut_short = number == len(lines) and not text.endswith("\n")
+            if is_cut_short:
+                break
+            raise ValueError(f"{path}:{number}: not a JSON object ({error.msg}): {line[:80]!r}") from None
+        if not isinstance(record, dict) or "kind" not in record:
+            raise ValueError(f"{path}:{number}: expected an object with a 'kind' field, got {line[:80]!r}")
+        records.append(record)
+    return records
+
+
+def run_status(run_dir: Path) -> str:
+    """new (nothing written yet) | finished | diverged | interrupted — what a sweep needs to decide."""
+    metrics = Path(run_dir) / METRICS_FILE
+    if not metrics.exists():
+        return "new"
+    ends = [r for r in read_metrics(metrics) if r["kind"] == "end"]
+    return ends[-1]["status"] if ends else "interrupted"
+
+
+def load_run(run_dir: str | Path, name: str | None = None) -> RunRecord:
+    """A RunRecord for RUN_DIR; errors name the missing or malformed file."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a run directory written by `scratchlm train`?")
+    config_path = run_dir / CONFIG_FILE
+    config: dict[str, Any] = {}
+    if config_path.exists():
+        try:
+            config = flatten(tomllib.loads(config_path.read_text(encoding="utf-8")))
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"{config_path}: invalid TOML ({error})") from None
+    record = RunRecord(path=run_dir, name=name or run_dir.resolve().name, config=config)
+    for entry in read_metrics(metrics_path):
+        if entry["kind"] == "train":
+            record.train.append(entry)
+        elif entry["kind"] == "eval":
+            record.evals.append(entry)
+        elif entry["kind"] == "end":
+            record.end = entry
+    return record

@@ -1,0 +1,187 @@
+"""Grid sweeps: every combination of a few config overrides, one run directory each, resumable.
+
+`scratchlm sweep --config base.toml --grid optim.lr=1e-4,1e-3 --grid data.batch_size=16,64` expands the
+cartesian product of the grids into points, names each point's run directory after its overrides
+(``SWEEP/lr-1e-4__batch_size-16``), validates every point's config before training any, then trains the
+points one after another. The state of a sweep lives in the run directories themselves: a point whose
+metrics.jsonl ends with an ``end`` record of status finished or diverged is done and never rerun; one that was
+interrupted is resumed from its checkpoint. So rerunning the same command after a crash or Ctrl-C continues
+where it stopped, and ``SWEEP/sweep.json`` is rebuilt from the run directories after every point.
+
+To spread a sweep over several GPUs (or machines sharing a file system), start one process per device with
+``--shard i/n`` (i = 0..n-1, e.g. ``CUDA_VISIBLE_DEVICES=i``): shard i trains points i, i+n, i+2n, ... Every
+shard writes the same complete summary, so whichever finishes last leaves an up-to-date sweep.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scratchlm.experiments.runs import DONE_STATUSES, load_run, run_status
+
+SUMMARY_FILE = "sweep.json"
+_SAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9.+-]")
+_TOP_LEVEL_COMMAS = re.compile(r",(?![^()\[\]]*[)\]])")  # commas not inside (...) or [...] (tuple values)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One --grid: a dotted config key and the raw value strings to try (parsed later by config.py)."""
+
+    key: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    name: str  # the run directory's name inside the sweep directory
+    overrides: tuple[tuple[str, str], ...]  # ((dotted key, raw value), ...) in grid order
+
+    def override_strings(self) -> list[str]:
+        return [f"{key}={value}" for key, value in self.overrides]
+
+
+@dataclass
+class SweepSpec:
+    base_config: Path
+    axes: list[Axis]
+    out_dir: Path
+    overrides: list[str] = field(default_factory=list)  # --set, applied to every point before its grid values
+    shard: tuple[int, int] = (0, 1)  # (index, count)
+
+
+def parse_axis(text: str) -> Axis:
+    """``"optim.lr=1e-4,3e-4"`` -> Axis("optim.lr", ("1e-4", "3e-4")); tuple values go in brackets."""
+    key, sep, raw_values = text.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", key):
+        raise ValueError(f"--grid {text!r} must look like section.key=v1,v2,... e.g. optim.lr=1e-4,3e-4,1e-3")
+    values = tuple(v.strip() for v in _TOP_LEVEL_COMMAS.split(raw_values))
+    if not values or any(not v for v in values):
+        raise ValueError(f"--grid {text!r} has an empty value; separate values with single commas")
+    if len(set(values)) != len(values):
+        raise ValueError(f"--grid {text!r} repeats a value")
+    return Axis(key, values)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"1/4"`` -> (1, 4): this process trains points 1, 5, 9, ... (indices are 0-based)."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match or not 0 <= int(match[1]) < int(match[2]):
+        raise ValueError(f"--shard {text!r} must be i/n with 0 <= i < n, e.g. 0/2 and 1/2 for two GPUs")
+    return int(match[1]), int(match[2])
+
+
+def _name_part(key: str, value: str, short: bool) -> str:
+    label = key.rsplit(".", 1)[1] if short else key
+    return f"{label}-{_SAFE_NAME_CHARS.sub('_', value)}"
+
+
+def sweep_points(axes: list[Axis]) -> list[SweepPoint]:
+    """The cartesian product of the axes, first axis varying slowest, each with a unique directory name."""
+    if not axes:
+        raise ValueError("a sweep needs at least one --grid section.key=v1,v2,...")
+    keys = [axis.key for axis in axes]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--grid keys must be distinct, got {keys}")
+    short = len({k.rsplit('.', 1)[1] for k in keys}) == len(keys)  # "lr" unless two sections share a key name
+    points = []
+    for combo in itertools.product(*(axis.values for axis in axes)):
+        pairs = tuple(zip(keys, combo))
+        points.append(SweepPoint("__".join(_name_part(k, v, short) for k, v in pairs), pairs))
+    names = [p.name for p in points]
+    if len(set(names)) != len(names):
+        raise ValueError(f"grid values map to the same run directory name: {sorted(names)}")
+    return points
+
+
+def point_config(spec: SweepSpec, point: SweepPoint) -> Any:
+    """The validated RunConfig of one point: base file, then --set, then the grid values, then its run_dir."""
+    from scratchlm.config import load_config
+
+    overrides = [*spec.overrides, *point.override_strings(), f"train.run_dir={spec.out_dir / point.name}"]
+    try:
+        return load_config(spec.base_config, overrides)
+    except ValueError as error:
+        raise ValueError(f"sweep point {point.name}: {error}") from None
+
+
+def summarize(spec: SweepSpec, points: list[SweepPoint]) -> dict[str, Any]:
+    """The sweep as read back from disk: each point's status and final validation loss, and the best point."""
+    rows = []
+    for point in points:
+        run_dir = spec.out_dir / point.name
+        status = run_status(run_dir)
+        row: dict[str, Any] = {"name": point.name, "overrides": dict(point.overrides), "run_dir": point.name,
+                               "status": status}
+        if status != "new":
+            run = load_run(run_dir)
+            row.update(steps=run.steps, final_val_loss=_json_float(run.final_val_loss),
+                       message=(run.end or {}).get("message"))
+        rows.append(row)
+    finished = [r for r in rows if r["status"] == "finished" and r.get("final_val_loss") is not None]
+    best = min(finished, key=lambda r: r["final_val_loss"])["name"] if finished else None
+    return {"base_config": str(spec.base_config), "overrides": spec.overrides,
+            "grid": {axis.key: list(axis.values) for axis in spec.axes}, "best": best, "points": rows}
+
+
+def _json_float(value: float) -> float | None:
+    return value if value == value and abs(value) != float("inf") else None  # JSON has no NaN/inf
+
+
+def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
+    """Atomically replace SWEEP/sweep.json (shards may write at the same time; the last complete one wins)."""
+    path = out_dir / SUMMARY_FILE
+    with tempfile.NamedTemporaryFile("w", dir=out_dir, prefix=".sweep-", suffix=".json", delete=False) as handle:
+        json.dump(summary, handle, indent=2)
+        handle.write("\n")
+    os.replace(handle.name, path)
+    return path
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
+TrainFn = Callable[..., Any]
+
+
+def run_sweep(spec: SweepSpec, *, train_fn: TrainFn | None = None, quiet: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train this shard's points that are not done yet; returns (and writes) the summary of the whole sweep.
+
+    ``train_fn(config, resume=..., quiet=...)`` defaults to scratchlm.train.trainer.train.
+    """
+    points = sweep_points(spec.axes)
+    configs = {p.name: point_config(spec, p) for p in points}  # every mistake surfaces before any training
+    if train_fn is None:
+        from scratchlm.train.trainer import train as train_fn
+    index, count = spec.shard
+    mine = points[index::count]
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    for number, point in enumerate(mine, start=1):
+        run_dir = spec.out_dir / point.name
+        status = run_status(run_dir)
+        if status in DONE_STATUSES:
+            log(f"[{number}/{len(mine)}] {point.name}: already {status}, skipped")
+            continue
+        resume = status == "interrupted" and _has_checkpoint(run_dir)
+        log(f"[{number}/{len(mine)}] {point.name}: {'resuming' if resume else 'training'} "
+            f"({', '.join(point.override_strings())})")
+        train_fn(configs[point.name], resume=resume, quiet=quiet)
+        write_summary(spec.out_dir, summarize(spec, points))
+        if run_status(run_dir) not in DONE_STATUSES:  # the trainer stopped early (Ctrl-C): so does the sweep
+            log(f"{point.name} was interrupted; rerun the same command to resume the sweep")
+            break
+    summary = summarize(spec, points)
+    write_summary(spec.out_dir, summary)
+    return summary
