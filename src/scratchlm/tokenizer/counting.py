@@ -1,0 +1,208 @@
+"""Streaming, parallel pre-token counting: the first phase of BPE training.
+
+BPE training only needs how often each pre-token occurs, so the corpus is reduced to a ``Counter`` of
+pre-token strings. The file is never held whole by one process: it is cut into chunks of at most
+``chunk_bytes`` and each chunk is read, decoded, split and counted on its own (in worker processes for large
+inputs, one after another in this process for small ones), then the per-chunk counters are summed.
+
+Why a chunk boundary cannot change the counts: a boundary is placed only where the pre-tokenization of the
+whole text is already cut, so counting the pieces separately gives exactly the counts of the whole. Two kinds
+of positions qualify (read from the raw bytes, so finding them needs only a small window of the file):
+
+* the start of a special-token occurrence: the text is split on special tokens before the regex runs;
+* a ``\\n`` right after a printable, non-space ASCII byte: every GPT-2 pattern alternative that can hold that
+  byte excludes whitespace, and the only look-around in the pattern (``\\s+(?!\\S)``) looks forward from a
+  whitespace run, so no pre-token spans the position and the regex restarts there in both cases.
+
+In both cases no special-token occurrence may straddle the position (checked explicitly), which keeps the
+longest-first special-token split identical. Both kinds of positions fall on UTF-8 character starts, so each
+chunk also decodes on its own exactly as it would inside the whole file.
+
+Invalid UTF-8 follows the ``errors`` policy: ``"strict"`` (default) raises a ValueError naming the file and
+the byte offset of the first invalid byte; ``"replace"`` substitutes U+FFFD, as ``bytes.decode`` does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_REGEX, special_token_regex, split_on_special_tokens
+
+ERROR_POLICIES = ("strict", "replace")
+DEFAULT_CHUNK_BYTES = 8 * 2**20  # upper bound on what one worker holds at a time
+PARALLEL_THRESHOLD_BYTES = 2**20  # below this, forking workers costs more than it saves
+WINDOW_BYTES = 64 * 2**10  # how far a boundary search reads at a time
+CHUNKS_PER_WORKER = 4  # more chunks than workers balance the load
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes [start, end) of one file, cut at positions where the pre-tokenization is already cut."""
+
+    path: str
+    start: int
+    end: int
+
+
+def check_input_file(path: str | os.PathLike) -> Path:
+    """The path of a readable regular file, or a clear FileNotFoundError / PermissionError / ValueError."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"input file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"input is not a regular file: {path}")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"input file is not readable: {path}")
+    return path
+
+
+def _boundary_regex(special_bytes: list[bytes]) -> re.Pattern[bytes]:
+    candidates = [rb"(?<=[\x21-\x7e])(?=\n)"] + [b"(?=" + re.escape(token) + b")" for token in special_bytes]
+    return re.compile(b"|".join(candidates))
+
+
+def _straddled(window: bytes, position: int, special_bytes: list[bytes]) -> bool:
+    """Whether some special-token occurrence starts before `position` and ends after it."""
+    for token in special_bytes:
+        found = window.find(token, max(0, position - len(token) + 1), position + len(token) - 1)
+        if found != -1 and found < position:
+            return True
+    return False
+
+
+def find_boundary(handle, target: int, file_size: int, special_bytes: list[bytes]) -> int:
+    """The first safe cut position at or after `target` (or `file_size` when there is none)."""
+    pattern = _boundary_regex(special_bytes)
+    overlap = max([len(token) for token in special_bytes] + [1])
+    position = target
+    while position < file_size:
+        window_start = max(0, position - overlap)
+        handle.seek(window_start)
+        window = handle.read(position - window_start + WINDOW_BYTES + overlap)
+        search_end = min(position - window_start + WINDOW_BYTES, len(window))
+        for match in pattern.finditer(window, position - window_start, search_end):
+            cut = match.start()
+            if not _straddled(window, cut, special_bytes):
+                return window_start + cut
+        position += WINDOW_BYTES
+    return file_size
+
+
+def plan_chunks(path: str | os.PathLike, special_tokens: list[str], chunk_bytes: int) -> list[Chunk]:
+    """Cut one file into chunks of about `chunk_bytes` at safe positions (reads only small windows)."""
+    file_size = os.path.getsize(path)
+    special_bytes = [token.encode("utf-8") for token in special_tokens]
+    starts = [0]
+    with open(path, "rb") as handle:
+        while starts[-1] + chunk_bytes < file_size:
+            cut = find_boundary(handle, starts[-1] + chunk_bytes, file_size, special_bytes)
+            if cut >= file_size:
+                break
+            starts.append(cut)
+    ends = starts[1:] + [file_size]
+    return [Chunk(str(path), start, end) for start, end in zip(starts, ends) if end > start]
+
+
+def decode_chunk(data: bytes, chunk: Chunk, errors: str) -> str:
+    """UTF-8 text of a chunk; in strict mode an error names the file and the absolute byte offset."""
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as error:
+        offset = chunk.start + error.start
+        raise ValueError(
+            f"{chunk.path}: invalid UTF-8 at byte offset {offset} (byte 0x{data[error.start]:02x}: {error.reason}); "
+            f"use errors='replace' (CLI: --errors replace) to substitute U+FFFD"
+        ) from None
+
+
+def count_chunk(task: tuple[Chunk, list[str], str]) -> Counter[str]:
+    """Pre-token counts of one chunk (the worker entry point; special tokens themselves are not counted)."""
+    chunk, special_tokens, errors = task
+    with open(chunk.path, "rb") as handle:
+        handle.seek(chunk.start)
+        data = handle.read(chunk.end - chunk.start)
+    text = decode_chunk(data, chunk, errors)
+    del data
+    counts: Counter[str] = Counter()
+    for piece, is_special in split_on_special_tokens(text, special_token_regex(special_tokens)):
+        if not is_special:
+            counts.update(GPT2_SPLIT_REGEX.findall(piece))
+    return counts
+
+
+def default_num_workers() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    # fork starts a worker in milliseconds with the modules already imported; spawn re-imports everything.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method)
+
+
+def _counted_chunks(tasks: list, num_workers: int) -> Iterator[Counter[str]]:
+    if num_workers <= 1 or len(tasks) <= 1:
+        yield from map(count_chunk, tasks)
+        return
+    with _pool_context().Pool(min(num_workers, len(tasks))) as pool:
+        # imap keeps file order, so the first error raised is the one earliest in the input.
+        yield from pool.imap(count_chunk, tasks)
+
+
+def count_pretokens(
+    paths: Iterable[str | os.PathLike],
+    special_tokens: list[str],
+    *,
+    num_workers: int | None = None,
+    errors: str = "strict",
+    progress: bool = False,
+    chunk_bytes: int | None = None,
+    parallel_threshold: int = PARALLEL_THRESHOLD_BYTES,
+) -> Counter[str]:
+    """Counts of every GPT-2 pre-token in the files, special tokens cut out first.
+
+    `num_workers` defaults to the usable CPUs; inputs smaller than `parallel_threshold` bytes are counted in
+    this process. `chunk_bytes` (default: enough chunks to balance the workers, at most 8 MiB) bounds the
+    text any one process holds.
+    """
+    if errors not in ERROR_POLICIES:
+        raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+    files = [check_input_file(path) for path in paths]
+    total_bytes = sum(path.stat().st_size for path in files)
+    workers = default_num_workers() if num_workers is None else num_workers
+    if workers < 1:
+        raise ValueError(f"num_workers must be at least 1, got {workers}")
+    if total_bytes < parallel_threshold:
+        workers = 1
+    if chunk_bytes is None:
+        balanced = -(-total_bytes // (workers * CHUNKS_PER_WORKER)) if workers > 1 else DEFAULT_CHUNK_BYTES
+        chunk_bytes = max(WINDOW_BYTES, min(DEFAULT_CHUNK_BYTES, balanced))
+    chunks = [chunk for path in files for chunk in plan_chunks(path, special_tokens, chunk_bytes)]
+    tasks = [(chunk, special_tokens, errors) for chunk in chunks]
+    totals: Counter[str] = Counter()
+    bar = _progress_bar(total_bytes, progress)
+    # The generator comes first in zip so that it runs to its end and closes the pool.
+    for counts, chunk in zip(_counted_chunks(tasks, workers), chunks):
+        totals.update(counts)
+        if bar is not None:
+            bar.update(chunk.end - chunk.start)
+    if bar is not None:
+        bar.close()
+    return totals
+
+
+def _progress_bar(total_bytes: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="counting pre-tokens")

@@ -1,0 +1,215 @@
+"""Fast byte-level BPE training with incremental merges.
+
+Phase 1 (``counting.py``) reduces the corpus to counts of distinct pre-tokens ("words"). Phase 2, here,
+learns the merges on those words without ever rescanning the corpus:
+
+* each word is a tuple of token ids with its count; ``pair_counts`` holds the weighted count of every
+  adjacent pair and ``where`` maps a pair to the indices of the words that (may) contain it;
+* a merge rewrites only the words listed under the merged pair, and changes only the counts of pairs in
+  those words, by the difference between their old and new pairs (so the cost of a merge is proportional to
+  the words it touches, never to the corpus);
+* the best pair comes from a heap whose entries sort by (count descending, pair bytes descending), the exact
+  tie rule: among equally frequent pairs the lexicographically greater ``(bytes_a, bytes_b)`` wins. Python's
+  heapq is a min-heap, so the bytes part of the key is inverted (see ``_descending_key``). Entries are lazy
+  upper bounds: a count that grows pushes a fresh entry; a count that shrinks is corrected only when its
+  stale entry reaches the top. The top entry whose stored count is current is therefore the true best pair.
+
+Token identity is by bytes, as in the reference trainer: if a merge produces bytes that an earlier token
+already has, the words reuse that token's id (the vocab still gets a new entry, as the merge list implies).
+
+Vocab layout: ids 0..255 are the single bytes, then the special tokens in the given order, then one id per
+merge in creation order. ``vocab_size`` counts all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping
+from heapq import heapify, heappop, heappush, heapreplace
+
+from scratchlm.tokenizer.counting import count_pretokens
+from scratchlm.tokenizer.pretokenize import validate_special_tokens
+
+Vocab = dict[int, bytes]
+Merges = list[tuple[bytes, bytes]]
+
+_INVERT_BYTES = bytes(range(255, -1, -1))
+_AFTER_ALL_BYTES = "\u0100"  # sorts after every inverted byte (chr(0)..chr(255))
+
+
+def _descending_key(token: bytes) -> str:
+    """A string whose order is the reverse of the byte strings' order (so a min-heap pops the greatest).
+
+    Each byte v becomes chr(255 - v), and a terminator that sorts after all of them is appended, so that a
+    longer string sorts before its own prefix (for bytes, the prefix is the smaller one).
+    """
+    return token.translate(_INVERT_BYTES).decode("latin-1") + _AFTER_ALL_BYTES
+
+
+def initial_vocab(special_tokens: list[str]) -> Vocab:
+    """The 256 single bytes, then the special tokens."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    for token in special_tokens:
+        vocab[len(vocab)] = token.encode("utf-8")
+    return vocab
+
+
+def _check_vocab_size(vocab_size: int, special_tokens: list[str]) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise ValueError(f"vocab_size must be an integer, got {vocab_size!r}")
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small: it must be at least 256 (the byte values) + "
+            f"{len(special_tokens)} (special tokens) = {256 + len(special_tokens)}"
+        )
+
+
+def train_bpe_from_counts(
+    word_counts: Mapping[str, int], vocab_size: int, special_tokens: list[str], *, progress: bool = False
+) -> tuple[Vocab, Merges]:
+    """Learn merges from pre-token counts (phase 2 of ``train_bpe``)."""
+    special_tokens = validate_special_tokens(special_tokens)
+    _check_vocab_size(vocab_size, special_tokens)
+    vocab = initial_vocab(special_tokens)
+    words: list[tuple[int, ...]] = []
+    counts: list[int] = []
+    for text, count in word_counts.items():
+        encoded = text.encode("utf-8")
+        if len(encoded) > 1:  # a single byte has no pair to merge
+            words.append(tuple(encoded))
+            counts.append(count)
+    merges = _learn_merges(words, counts, vocab, vocab_size - len(vocab), progress)
+    return vocab, merges
+
+
+def _count_pairs(words: list[tuple[int, ...]], counts: list[int]) -> tuple[dict, dict]:
+    pair_counts: dict[tuple[int, int], int] = {}
+    where: dict[tuple[int, int], set[int]] = {}
+    for index, (word, count) in enumerate(zip(words, counts)):
+        for pair in zip(word, word[1:]):
+            pair_counts[pair] = pair_counts.get(pair, 0) + count
+            if pair in where:
+                where[pair].add(index)
+            else:
+                where[pair] = {index}
+    return pair_counts, where
+
+
+def _pop_best(heap: list, pair_counts: dict) -> tuple[int, int] | None:
+    """The most frequent pair (ties: greatest bytes), correcting stale entries on the way."""
+    while heap:
+        stored, key_a, key_b, a, b = heap[0]
+        actual = pair_counts.get((a, b), 0)
+        if actual == -stored:
+            heappop(heap)
+            return a, b
+        if actual:
+            heapreplace(heap, (-actual, key_a, key_b, a, b))
+        else:
+            heappop(heap)
+    return None
+
+
+def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> dict[tuple[int, int], int]:
+    """Rewrite the words holding `pair`; update pair counts and the index; return the pairs that grew."""
+    a, b = pair
+    delta: dict[tuple[int, int], int] = {}
+    for index in where.pop(pair, ()):
+        word = words[index]
+        merged = []
+        i, last = 0, len(word) - 1
+        while i <= last:
+            if i < last and word[i] == a and word[i + 1] == b:
+                merged.append(new_id)
+                i += 2
+            else:
+                merged.append(word[i])
+                i += 1
+        if len(merged) == len(word):  # an index entry left by an earlier merge of this word
+            continue
+        count = counts[index]
+        for old in zip(word, word[1:]):
+            delta[old] = delta.get(old, 0) - count
+        for new in zip(merged, merged[1:]):
+            delta[new] = delta.get(new, 0) + count
+            if new_id in new:
+                if new in where:
+                    where[new].add(index)
+                else:
+                    where[new] = {index}
+        words[index] = tuple(merged)
+    grown = {}
+    for changed, change in delta.items():
+        if change:
+            total = pair_counts.get(changed, 0) + change
+            if total:
+                pair_counts[changed] = total
+            else:
+                del pair_counts[changed]
+                where.pop(changed, None)
+            if change > 0:
+                grown[changed] = total
+    return grown
+
+
+def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) -> Merges:
+    pair_counts, where = _count_pairs(words, counts)
+    keys = {token_id: _descending_key(token) for token_id, token in vocab.items()}
+    id_of_bytes = {bytes([i]): i for i in range(256)}  # word tokens only: specials never occur in words
+    heap = [(-count, keys[a], keys[b], a, b) for (a, b), count in pair_counts.items()]
+    heapify(heap)
+    merges: Merges = []
+    bar = _progress_bar(num_merges, progress)
+    while len(merges) < num_merges:
+        best = _pop_best(heap, pair_counts)
+        if best is None:  # every word is a single token
+            break
+        left, right = vocab[best[0]], vocab[best[1]]
+        token = left + right
+        vocab_id = len(vocab)
+        vocab[vocab_id] = token
+        merges.append((left, right))
+        token_id = id_of_bytes.setdefault(token, vocab_id)
+        if token_id not in keys:
+            keys[token_id] = _descending_key(token)
+        for (a, b), count in _apply_merge(best, token_id, words, counts, where, pair_counts).items():
+            heappush(heap, (-count, keys[a], keys[b], a, b))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return merges
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="merge", desc="merging")
+
+
+def train_bpe(
+    input_path: str | os.PathLike | list[str | os.PathLike],
+    vocab_size: int,
+    special_tokens: list[str],
+    *,
+    num_workers: int | None = None,
+    progress: bool = False,
+    errors: str = "strict",
+) -> tuple[Vocab, Merges]:
+    """Train a byte-level BPE tokenizer on one or more UTF-8 files.
+
+    Returns ``vocab`` (id -> bytes: 256 single bytes, the special tokens, then the merged tokens) and
+    ``merges`` in creation order. Stops early when no pair is left to merge. `errors` is the UTF-8 policy
+    ("strict" raises naming the file and byte offset, "replace" substitutes U+FFFD); `num_workers` defaults
+    to the usable CPUs.
+    """
+    special_tokens = validate_special_tokens(special_tokens)
+    _check_vocab_size(vocab_size, special_tokens)
+    paths = list(input_path) if isinstance(input_path, (list, tuple)) else [input_path]
+    word_counts: Counter[str] = count_pretokens(
+        paths, special_tokens, num_workers=num_workers, errors=errors, progress=progress
+    )
+    return train_bpe_from_counts(word_counts, vocab_size, special_tokens, progress=progress)
