@@ -44,11 +44,14 @@ class RunRecord:
 
     @property
     def final_val_loss(self) -> float:
-        return float(self.evals[-1]["val_loss"]) if self.evals else math.nan
+        """The last evaluation's loss; nan when there is none or the run diverged (its last one is stale)."""
+        if not self.evals or self.status == "diverged":
+            return math.nan
+        return float(self.evals[-1]["val_loss"])
 
     @property
     def final_val_ppl(self) -> float:
-        if not self.evals:
+        if math.isnan(self.final_val_loss):
             return math.nan
         ppl = self.evals[-1].get("val_ppl")
         return float(ppl) if ppl is not None else _safe_exp(self.final_val_loss)
