@@ -1,0 +1,363 @@
+"""Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens.
+
+Design (pure Python, aimed at about half of tiktoken's single-thread speed):
+- Text is split on special tokens (longest first), each ordinary piece into GPT-2 pre-tokens with one
+  ``regex.findall``; the hot loop is a dict lookup per pre-token in a bounded *pre-token -> ids cache* and a
+  ``list.extend``. Natural text repeats a few thousand pre-tokens, so most lookups hit.
+- A cache miss runs *rank-based* BPE on the pre-token's bytes: repeatedly merge the adjacent pair with the
+  lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Short pieces use a plain scan;
+  long ones (``"x" * 100_000``) a heap over a linked list, so the cost stays O(n log n), not O(n^2).
+- ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
+  still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
+Serialization lives in ``io.py``; this module only knows vocab, merges and special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Iterable, Iterator
+from itertools import chain
+from pathlib import Path
+
+from scratchlm.tokenizer.pretokenize import (
+    GPT2_SPLIT_REGEX,
+    special_token_regex,
+    split_on_special_tokens,
+    validate_special_tokens,
+)
+
+# A pre-token match never depends on text more than this many characters past its end (the GPT-2 pattern
+# looks at most 3 characters ahead: the contraction "'ll" tried at a match's last character).
+_LOOKAHEAD_CHARS = 3
+# Pieces longer than this use heap merging; below it a linear scan per merge is faster.
+_HEAP_MERGE_MIN_BYTES = 256
+
+
+class Tokenizer:
+    """Byte-level BPE over ``vocab`` (id -> bytes) and ``merges`` (in creation order), plus special tokens."""
+
+    def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
+                 special_tokens: list[str] | None = None, *, cache_size: int = 100_000) -> None:
+        self.vocab: dict[int, bytes] = dict(vocab)
+        self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
+        self.special_tokens: list[str] = validate_special_tokens(special_tokens)
+        self._bytes_to_id = _invert_vocab(self.vocab)
+        self._byte_ids = _single_byte_ids(self._bytes_to_id)
+        self._special_ids = self._add_special_tokens()
+        self._merge_ranks = _merge_table(self.merges, self._bytes_to_id)
+        self._special_regex = special_token_regex(self.special_tokens)
+        self._special_prefixes = {token[:k] for token in self.special_tokens for k in range(1, len(token))}
+        self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
+        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache_size = cache_size
+        self._hash: str | None = None
+
+    # ------------------------------------------------------------------ construction and identity
+    @classmethod
+    def from_files(cls, vocab_path: str | Path, merges_path: str | Path | None = None,
+                   special_tokens: list[str] | None = None) -> Tokenizer:
+        """Read GPT-2 ``vocab.json`` + ``merges.txt``, or a scratchlm ``tokenizer.json`` (merges_path=None)."""
+        from scratchlm.tokenizer.io import read_tokenizer_files
+
+        vocab, merges, stored_specials = read_tokenizer_files(vocab_path, merges_path)
+        return cls(vocab, merges, special_tokens if special_tokens is not None else stored_specials)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        """Read a directory written by ``save`` (``tokenizer.json``, else ``vocab.json`` + ``merges.txt``)."""
+        from scratchlm.tokenizer.io import read_tokenizer_dir
+
+        vocab, merges, specials = read_tokenizer_dir(directory)
+        return cls(vocab, merges, specials)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``tokenizer.json`` (scratchlm format) and GPT-2 ``vocab.json`` + ``merges.txt`` into directory."""
+        from scratchlm.tokenizer.io import write_tokenizer_dir
+
+        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id (the embedding table size a model needs)."""
+        return max(self.vocab) + 1 if self.vocab else 0
+
+    @property
+    def hash(self) -> str:
+        """sha256 hex digest of the canonical (vocab, merges, special tokens); token files record it."""
+        if self._hash is None:
+            digest = hashlib.sha256()
+            for token_id in sorted(self.vocab):
+                digest.update(b"v%d:%s\n" % (token_id, self.vocab[token_id].hex().encode()))
+            for left, right in self.merges:
+                digest.update(b"m%s %s\n" % (left.hex().encode(), right.hex().encode()))
+            for token in self.special_tokens:
+                digest.update(b"s%s\n" % token.encode("utf-8").hex().encode())
+            self._hash = digest.hexdigest()
+        return self._hash
+
+    def special_id(self, token: str) -> int:
+        """The id of a registered special token."""
+        try:
+            return self._special_ids[token]
+        except KeyError:
+            raise ValueError(f"{token!r} is not a special token of this tokenizer "
+                             f"(special tokens: {self.special_tokens})") from None
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"special_tokens={self.special_tokens})")
+
+    def __getstate__(self) -> dict:
+        # Workers rebuild the lookup tables; the cache is per process.
+        return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens,
+                "cache_size": self._cache_size}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"], cache_size=state["cache_size"])
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text; registered special tokens in the text become their ids and are never split."""
+        try:
+            return self._encode_text(text)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(text, 0)) from None
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of text with special tokens treated as plain text (tiktoken's ``encode_ordinary``)."""
+        ids: list[int] = []
+        try:
+            self._encode_ordinary(text, ids)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(text, 0)) from None
+        return ids
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """Lazily yield the ids of the concatenated strings (e.g. a file read line by line); equals ``encode``."""
+        return chain.from_iterable(self.encode_stream(iterable))
+
+    def encode_stream(self, iterable: Iterable[str], *, chunk_chars: int = 1 << 18) -> Iterator[list[int]]:
+        """Like ``encode_iterable`` but yields lists of ids, one per buffered chunk of about ``chunk_chars``."""
+        parts: list[str] = []
+        buffered = 0
+        offset = 0  # characters already encoded, for error positions
+        for text in iterable:
+            parts.append(text)
+            buffered += len(text)
+            if buffered < chunk_chars:
+                continue
+            buffer = "".join(parts)
+            try:
+                ids, rest = self._split_stable_prefix(buffer)
+            except UnicodeEncodeError:
+                raise ValueError(_unencodable_message(buffer, offset)) from None
+            offset += len(buffer) - len(rest)
+            parts, buffered = [rest], len(rest)
+            if ids:
+                yield ids
+        buffer = "".join(parts)
+        try:
+            ids = self._encode_text(buffer)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(buffer, offset)) from None
+        if ids:
+            yield ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        ids: list[int] = []
+        if self._special_regex is None:
+            self._encode_ordinary(text, ids)
+            return ids
+        for piece, is_special in split_on_special_tokens(text, self._special_regex):
+            if is_special:
+                ids.append(self._special_ids[piece])
+            else:
+                self._encode_ordinary(piece, ids)
+        return ids
+
+    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        """Append the ids of text (no special tokens) to out: the hot loop."""
+        cache = self._cache
+        lookup = cache.get
+        extend = out.extend
+        for piece in GPT2_SPLIT_REGEX.findall(text):
+            ids = lookup(piece)
+            if ids is None:
+                ids = self._encode_piece(piece)
+                if len(cache) >= self._cache_size:
+                    cache.clear()  # bounded memory; natural text refills the frequent pieces at once
+                cache[piece] = ids
+            extend(ids)
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates)."""
+        data = piece.encode("utf-8")
+        token_id = self._bytes_to_id.get(data) if len(data) == 1 else None
+        if token_id is not None:
+            return (token_id,)
+        ids = [self._byte_ids[byte] for byte in data]
+        if len(ids) >= _HEAP_MERGE_MIN_BYTES:
+            return tuple(_merge_with_heap(ids, self._merge_ranks))
+        return tuple(_merge_by_scan(ids, self._merge_ranks))
+
+    def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
+        """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
+
+        Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
+        longer special match), and (2) in the last ordinary piece, the final pre-tokens covering its last
+        ``_LOOKAHEAD_CHARS`` characters: a match ending earlier was decided by characters already present (e.g.
+        GPT-2's ``\\s+(?!\\S)`` gives trailing spaces away to the next word only once that word arrives).
+        """
+        cut = len(buffer) - self._partial_special_length(buffer)
+        head, pending = buffer[:cut], buffer[cut:]
+        pieces = list(split_on_special_tokens(head, self._special_regex))
+        open_piece = pieces.pop()[0] if pieces and not pieces[-1][1] else ""
+        ids: list[int] = []
+        for piece, is_special in pieces:
+            if is_special:
+                ids.append(self._special_ids[piece])
+            else:
+                self._encode_ordinary(piece, ids)
+        pretokens = GPT2_SPLIT_REGEX.findall(open_piece)
+        held: list[str] = []
+        held_chars = 0
+        while pretokens and held_chars < _LOOKAHEAD_CHARS:
+            held.append(pretokens.pop())
+            held_chars += len(held[-1])
+        self._encode_ordinary("".join(pretokens), ids)
+        return ids, "".join(reversed(held)) + pending
+
+    def _partial_special_length(self, buffer: str) -> int:
+        """Length of the longest tail of buffer that is a proper prefix of some special token (0 if none)."""
+        for length in range(min(self._max_special_prefix, len(buffer)), 0, -1):
+            if buffer[-length:] in self._special_prefixes:
+                return length
+        return 0
+
+    # ------------------------------------------------------------------ decoding
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The raw bytes of ids (may be invalid UTF-8 when a multi-byte character is cut)."""
+        ids = ids if isinstance(ids, list | tuple) else list(ids)
+        vocab = self.vocab
+        try:
+            return b"".join([vocab[token_id] for token_id in ids])
+        except (KeyError, TypeError):
+            position, bad = next((i, t) for i, t in enumerate(ids) if not _is_known_id(vocab, t))
+            raise ValueError(f"cannot decode id {bad!r} at position {position}: "
+                             f"not in the vocabulary (ids 0..{self.vocab_size - 1})") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ids; malformed UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _add_special_tokens(self) -> dict[str, int]:
+        """Map each special token to its id, appending the ones the vocab lacks after the largest id."""
+        special_ids = {}
+        for token in self.special_tokens:
+            data = token.encode("utf-8")
+            if data not in self._bytes_to_id:
+                new_id = self.vocab_size
+                self.vocab[new_id] = data
+                self._bytes_to_id[data] = new_id
+            special_ids[token] = self._bytes_to_id[data]
+        return special_ids
+
+
+def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:
+    try:
+        return token_id in vocab
+    except TypeError:  # unhashable
+        return False
+
+
+def _invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
+    """bytes -> id; where two ids share bytes the smaller id wins (a deterministic choice)."""
+    inverse: dict[bytes, int] = {}
+    for token_id in sorted(vocab, reverse=True):
+        token = vocab[token_id]
+        if not isinstance(token_id, int) or not isinstance(token, bytes):
+            raise ValueError(f"vocab entries must be int -> bytes, got {token_id!r} -> {token!r}")
+        inverse[token] = token_id
+    return inverse
+
+
+def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
+    missing = [value for value in range(256) if bytes([value]) not in bytes_to_id]
+    if missing:
+        raise ValueError(f"vocab lacks {len(missing)} of the 256 single-byte tokens, e.g. {bytes([missing[0]])!r}; "
+                         "a byte-level BPE vocab needs all of them")
+    return [bytes_to_id[bytes([value])] for value in range(256)]
+
+
+def _merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int]) -> dict[tuple[int, int], tuple]:
+    """(left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank."""
+    table: dict[tuple[int, int], tuple[int, int]] = {}
+    for rank, (left, right) in enumerate(merges):
+        ids = bytes_to_id.get(left), bytes_to_id.get(right), bytes_to_id.get(left + right)
+        if None in ids:
+            missing = [t for t, i in zip((left, right, left + right), ids) if i is None][0]
+            raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, "
+                             "which is not in the vocab")
+        table.setdefault((ids[0], ids[1]), (rank, ids[2]))
+    return table
+
+
+def _merge_by_scan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+    """Merge the lowest-rank adjacent pair (leftmost on ties) until none is mergeable; O(n^2), for short ids."""
+    while len(ids) > 1:
+        best = None
+        best_index = -1
+        for index in range(len(ids) - 1):
+            found = ranks.get((ids[index], ids[index + 1]))
+            if found is not None and (best is None or found[0] < best[0]):
+                best, best_index = found, index
+        if best is None:
+            break
+        ids[best_index:best_index + 2] = [best[1]]
+    return ids
+
+
+def _merge_with_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+    """Same result as ``_merge_by_scan`` in O(n log n): a heap of (rank, position) over a linked list.
+
+    A heap entry is stale when either end was merged away or changed since it was pushed; it is skipped on pop.
+    Popping by (rank, position) merges the lowest rank first and, among equal ranks, the leftmost first.
+    """
+    n = len(ids)
+    tokens = list(ids)
+    next_index = list(range(1, n + 1))
+    prev_index = list(range(-1, n - 1))
+    alive = [True] * n
+    heap = []
+    for index in range(n - 1):
+        found = ranks.get((tokens[index], tokens[index + 1]))
+        if found is not None:
+            heap.append((found[0], index, tokens[index], tokens[index + 1], found[1]))
+    heapq.heapify(heap)
+    while heap:
+        _, index, left, right, merged = heapq.heappop(heap)
+        right_index = next_index[index] if alive[index] else n
+        if right_index >= n or tokens[index] != left or tokens[right_index] != right:
+            continue  # stale
+        tokens[index] = merged
+        alive[right_index] = False
+        next_index[index] = next_index[right_index]
+        if next_index[index] < n:
+            prev_index[next_index[index]] = index
+        for a in (prev_index[index], index):
+            b = next_index[a] if a >= 0 else n
+            if a >= 0 and b < n and (found := ranks.get((tokens[a], tokens[b]))) is not None:
+                heapq.heappush(heap, (found[0], a, tokens[a], tokens[b], found[1]))
+    return [tokens[i] for i in range(n) if alive[i]]
+
+
+def _unencodable_message(text: str, offset: int) -> str:
+    """Name the first character that UTF-8 cannot encode (a lone surrogate) and its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"text is not encodable as UTF-8: character {text[error.start]!r} at position "
+                f"{offset + error.start} is a lone surrogate")
+    return "text is not encodable as UTF-8"
