@@ -71,6 +71,7 @@ class TrainConfig:
     dtype: str = "fp32"  # fp32 | bf16 (autocast; the master weights stay fp32)
     compile: bool = False  # torch.compile the model
     fused_attention: bool = False  # use torch's fused SDPA kernel in attention (speed; ours is the default)
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 20  # validation batches per evaluation (the same ones every time)
@@ -107,6 +108,9 @@ class RunConfig:
         steps = self.train.max_steps
         _require(self.optim.warmup_iters <= steps,
                  f"optim.warmup_iters ({self.optim.warmup_iters}) must not exceed train.max_steps ({steps})")
+        cycle = self.optim.cosine_cycle_iters
+        _require(cycle is None or cycle >= self.optim.warmup_iters,
+                 f"optim.cosine_cycle_iters ({cycle}) must not be below optim.warmup_iters ({self.optim.warmup_iters})")
         _require(self.data.batch_size % self.train.grad_accum_steps == 0,
                  f"data.batch_size ({self.data.batch_size}) must be divisible by train.grad_accum_steps "
                  f"({self.train.grad_accum_steps})")

@@ -1,0 +1,133 @@
+"""Where a run's numbers go: metrics.jsonl (always), a progress bar (on a terminal), Weights & Biases (if asked).
+
+metrics.jsonl is the run's record that sweeps, reports and plots read back (schema: docs/architecture.md,
+"Run directory"). Each record is one line, written and flushed as it happens, so a killed run loses at most a
+half-written last line (readers drop it). Resuming truncates the file back to the checkpoint's step, so the
+resumed run's file reads like the uninterrupted run's.
+
+The trainer calls this only at log/eval steps (never per step), so nothing here forces a host sync.
+Only the main process (rank 0) should build a MetricsLogger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+
+# Dense peak FLOP/s from vendor datasheets, (bf16 tensor cores, plain fp32), matched against the CUDA device
+# name. fp32 runs are measured against the fp32 peak (TF32 is off by default in torch matmuls).
+PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),  # SXM; the PCIe card is ~25% lower
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "L4": (121e12, 30.3e12),
+    "RTX 4090": (165e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12),
+}
+
+
+class MetricsLogger:
+    """Appends records to RUN/metrics.jsonl and mirrors them to a progress bar and, optionally, W&B."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, quiet: bool = False,
+                 wandb_project: str | None = None, wandb_config: dict | None = None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.records: list[dict[str, Any]] = read_records(self.path) if self.path.exists() else []
+        self._file = self.path.open("a", encoding="utf-8")
+        interactive = sys.stderr.isatty() and not quiet
+        self._echo = not quiet and not interactive  # no terminal: one plain line per log record instead of a bar
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not interactive)
+        self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {key: _json_safe(value) for key, value in record.items()}
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None and record["kind"] != "end":
+            self._wandb.log({f"{record['kind']}/{k}": v for k, v in record.items() if k not in ("kind", "step")},
+                            step=record["step"])
+        summary = describe(record)
+        if self._bar.disable:
+            if self._echo:
+                print(summary, file=sys.stderr, flush=True)
+        elif record["kind"] == "end":
+            self._bar.write(summary)
+        else:
+            self._bar.set_postfix_str(summary, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        self._bar.update(steps)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def device_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of a known GPU for ``dtype`` ("fp32" | "bf16"), else None (then MFU is not reported)."""
+    for key, (bf16, fp32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else fp32
+    return None
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One human line for a record (progress bar postfix or stderr)."""
+    step = record["step"]
+    if record["kind"] == "train":
+        mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+        return (f"step {step} loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
+                f"{record['tokens_per_s']:,.0f} tok/s{mfu}")
+    if record["kind"] == "eval":
+        return f"step {step} val_loss {record['val_loss']:.4f} val_ppl {record['val_ppl']:.2f}"
+    return f"step {step}: {record['status']}" + (f": {record['message']}" if record.get("message") else "")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a final line cut short by a kill is dropped."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line can be cut short: nothing valid follows it
+    return records
+
+
+def truncate_records(path: Path, last_step: int) -> None:
+    """Keep the records up to ``last_step`` (the resumed checkpoint) and drop any ``end`` record, atomically."""
+    if not path.exists():
+        return
+    kept = [r for r in read_records(path) if r["kind"] != "end" and r["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN/inf: a diverged loss is written as a string ("nan", "inf") rather than invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _start_wandb(project: str, config: dict | None, run_dir: Path) -> Any:
+    try:
+        import wandb
+    except ModuleNotFoundError:
+        raise ValueError("train.wandb = true but the wandb package is not installed "
+                         "(pip install wandb, or set train.wandb = false)") from None
+    return wandb.init(project=project, config=config, dir=str(run_dir), name=run_dir.name)

@@ -1,0 +1,46 @@
+"""Learning curves as a PNG: loss against optimizer steps and against wall-clock time, train and validation.
+
+Drawn from metrics.jsonl records alone (so any run directory can be re-plotted) with matplotlib's Agg backend
+(no display needed). The file is written to a temporary name and renamed, so a viewer never sees half a PNG.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+CURVES_FILE = "curves.png"
+
+
+def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Write the two-panel learning-curve PNG for ``records`` (metrics.jsonl dicts) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train" and _finite(r["loss"])]
+    evals = [r for r in records if r["kind"] == "eval" and _finite(r["val_loss"])]
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for axis, x_key, x_label in ((by_step, "step", "optimizer step"), (by_time, "wall_time", "wall-clock time (s)")):
+        axis.plot([r[x_key] for r in train], [r["loss"] for r in train], label="train", linewidth=1)
+        axis.plot([r[x_key] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation", markersize=3)
+        axis.set_xlabel(x_label)
+        axis.grid(alpha=0.3)
+    by_step.set_ylabel("cross-entropy loss (nats/token)")
+    by_step.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)

@@ -1,0 +1,424 @@
+"""The training loop: RunConfig in, a run directory (checkpoints, metrics.jsonl, curves.png, config.toml) out.
+
+Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
+- ``build_model`` makes the plain TransformerLM; ``wrap_model`` applies torch.compile. A data-parallel launcher
+  passes its own ``wrap`` (DDP/FSDP) to ``train``; the rank and world size come from torch.distributed, and
+  only the main process (rank 0) logs, plots and writes checkpoints. The unwrapped module is what is saved.
+- ``train_step`` is one optimizer step: k micro-batches, each loss scaled by 1/k so the accumulated gradient
+  equals one batch k times larger; global-norm clipping; AdamW with the scheduled learning rate.
+- No host sync per step: the loss is summed on the device, and non-finite values are recorded on the device
+  (first bad step, its loss and grad norm); both are read only at log, eval and checkpoint steps. A diverged
+  run is therefore never checkpointed, and the last good checkpoint survives.
+- Resume is exact: the checkpoint holds model, optimizer, RNG and sampler state plus the loop's own running
+  values (the partial loss window, wall time, best validation loss), and metrics.jsonl is cut back to the
+  checkpoint's step, so a resumed run's losses are bitwise those of an uninterrupted run (CPU).
+- SIGINT/SIGTERM set a flag; the loop finishes the current step, saves a checkpoint and returns "interrupted".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from scratchlm.config import RunConfig
+from scratchlm.data.batches import BatchSampler, validation_batches
+from scratchlm.model import TransformerLM
+from scratchlm.optim.adamw import AdamW, param_groups_for
+from scratchlm.optim.clip import clip_gradients
+from scratchlm.optim.schedule import lr_cosine_schedule
+from scratchlm.train.loss import cross_entropy, perplexity
+from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
+from scratchlm.train.plots import CURVES_FILE, plot_curves
+
+CONFIG_FILE = "config.toml"
+
+
+@dataclass
+class TrainResult:
+    status: str  # finished | diverged | interrupted
+    final_step: int
+    train_loss: float | None  # mean over the last log window
+    best_val_loss: float | None
+    tokens_per_s: float | None  # over this session's training time
+    run_dir: Path
+    message: str = ""
+
+
+@dataclass
+class LoopState:
+    """The loop's running values, saved in every checkpoint's ``extra`` so a resume continues them exactly."""
+
+    step: int = 0
+    wall_time: float = 0.0  # seconds of training so far, across resumes
+    best_val_loss: float | None = None
+    last_train_loss: float | None = None
+    window_loss_sum: float = 0.0  # losses of the steps since the last log record
+    window_steps: int = 0
+
+
+class StopRequest:
+    """SIGINT/SIGTERM -> a flag the loop polls between steps; a second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def select_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r} but CUDA is not available on this machine (use auto or cpu)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"train.device = {name!r} but MPS is not available on this machine (use auto or cpu)")
+    return device
+
+
+def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash."""
+    tokenizer_hash = None
+    if config.data.tokenizer:
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        tokenizer_hash = Tokenizer.load(config.data.tokenizer).hash
+    train = _open_tokens(config.data.train_path, "data.train_path", config, tokenizer_hash)
+    val = _open_tokens(config.data.val_path, "data.val_path", config, tokenizer_hash) if config.data.val_path else None
+    return train, val
+
+
+def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
+    from scratchlm.data.token_file import open_token_file
+
+    if not path:
+        raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
+    tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+    needed = config.model.context_length + 1
+    if len(tokens) < needed:
+        raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "
+                         f"{needed} needed for one training window")
+    return tokens
+
+
+def build_model(config: RunConfig, device: torch.device) -> TransformerLM:
+    torch.manual_seed(config.train.seed)
+    model = TransformerLM(config.model, device=device)
+    model.check_inputs = False  # the token files were checked against the vocabulary when opened
+    model.checkpoint_blocks = config.train.activation_checkpointing
+    model.set_fused_sdpa(config.train.fused_attention)
+    return model
+
+
+def wrap_model(model: nn.Module, config: RunConfig) -> nn.Module:
+    """Apply torch.compile from outside the model (a distributed launcher passes its own wrap instead)."""
+    return torch.compile(model) if config.train.compile else model
+
+
+def build_optimizer(model: nn.Module, config: RunConfig) -> AdamW:
+    optim = config.optim
+    return AdamW(param_groups_for(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                 weight_decay=optim.weight_decay)
+
+
+def learning_rate(step: int, config: RunConfig) -> float:
+    """Warm-up then cosine decay to min_lr over the run (or over optim.cosine_cycle_iters when set)."""
+    optim = config.optim
+    cycle = optim.cosine_cycle_iters or config.train.max_steps
+    return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               *, lr: float, grad_clip: float, dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
+
+    Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
+    measured before clipping. ``grad_clip`` = 0 measures the norm without clipping.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device = batches[0][0].device
+    loss_sum = torch.zeros((), device=device)
+    for index, (inputs, targets) in enumerate(batches):
+        last = index == len(batches) - 1
+        # DDP all-reduces gradients on every backward unless told not to: only the last micro-batch syncs.
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast(device, dtype):
+                logits = model(inputs)  # (b, T, V)
+            loss = cross_entropy(logits.float(), targets) / len(batches)
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_gradients(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: torch.device,
+             max_batches: int | None = None) -> float:
+    """Mean loss per token over the fixed validation sample (the first ``max_batches`` batches, or all)."""
+    total, count = torch.zeros((), device=device, dtype=torch.float64), 0
+    for inputs, targets in validation_batches(tokens, config.micro_batch_size, config.model.context_length,
+                                              device, max_batches=max_batches):
+        with autocast(device, config.train.dtype):
+            logits = model(inputs)  # (b, T, V)
+        total += cross_entropy(logits.float(), targets).double() * targets.numel()
+        count += targets.numel()
+    return (total / count).item()
+
+
+class DivergenceWatch:
+    """Records the first non-finite (or too large) step on the device; ``check`` reads it (a host sync)."""
+
+    def __init__(self, device: torch.device, max_loss: float | None) -> None:
+        self.max_loss = max_loss
+        self.first_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.values = torch.zeros(2, device=device)  # (loss, grad norm) at that step
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+        if self.max_loss is not None:
+            bad |= loss > self.max_loss
+        new = bad & (self.first_step < 0)
+        self.first_step = torch.where(new, step, self.first_step)
+        self.values = torch.where(new, torch.stack([loss, grad_norm.to(loss.dtype)]), self.values)
+
+    def check(self) -> str | None:
+        step = int(self.first_step.item())
+        if step < 0:
+            return None
+        loss, norm = self.values.tolist()
+        limit = f" (train.max_loss = {self.max_loss})" if self.max_loss is not None and math.isfinite(loss) else ""
+        return f"diverged at step {step}: loss={loss:g}, grad_norm={norm:g}{limit}"
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create the run directory, prove it writable, and refuse to overwrite a run that has checkpoints."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise PermissionError(f"cannot write to run directory {run_dir}: {error.strerror or error}") from None
+    checkpoints = run_dir / "checkpoints"
+    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise ValueError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue that run, "
+                         f"or choose another --run-dir")
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _step_flops(config: RunConfig) -> float:
+    """Forward + backward FLOPs of one optimizer step (the MFU numerator; the optimizer's own work is left out)."""
+    from scratchlm.accounting.params_flops import training_step_flops
+
+    flops = training_step_flops(config.model, config.model.context_length, config.data.batch_size)
+    return float(flops.forward + flops.backward)
+
+
+def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    return (sampler.next() for _ in range(count))
+
+
+def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
+          wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model) -> TrainResult:
+    """Train ``config`` to ``train.max_steps`` (or divergence, or a stop signal); see the module docstring."""
+    from scratchlm.train.checkpoint import CheckpointManager
+
+    rank, world_size = _rank_and_world_size()
+    is_main_process = rank == 0
+    run_dir, device = Path(config.train.run_dir), select_device(config.train.device)
+    if is_main_process:
+        prepare_run_dir(run_dir, resume)
+    train_tokens, val_tokens = open_data(config)
+    raw_model = build_model(config, device)
+    optimizer = build_optimizer(raw_model, config)
+    sampler = BatchSampler(train_tokens, config.micro_batch_size, config.model.context_length, device,
+                           seed=config.train.seed, rank=rank, world_size=world_size)
+    checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
+    state = LoopState()
+    if resume and (path := checkpoints.latest_valid()) is not None:
+        state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
+    if is_main_process:
+        truncate_records(run_dir / METRICS_FILE, state.step)
+        config.save_toml(run_dir / CONFIG_FILE)
+    model = wrap(raw_model, config)
+    logger = None
+    if is_main_process:
+        logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
+                               wandb_project=config.train.wandb_project if config.train.wandb else None,
+                               wandb_config=config.to_dict())
+    loop = _Loop(config, model, raw_model, optimizer, sampler, val_tokens, checkpoints, logger, state, device,
+                 world_size)
+    try:
+        with StopRequest() as stop:
+            return loop.run(stop)
+    finally:
+        if logger is not None:
+            logger.close()
+
+
+def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler,
+             config: RunConfig) -> LoopState:
+    loaded = checkpoints.load(path, model, optimizer)
+    saved = RunConfig.from_dict(loaded["config"])
+    if saved.model != config.model:
+        raise ValueError(f"cannot resume from {path}: it was trained with model {saved.model}, but this config "
+                         f"asks for {config.model}")
+    sampler.load_state_dict(loaded["sampler_state"])
+    fields = {f.name for f in dataclasses.fields(LoopState)}
+    return LoopState(**{k: v for k, v in (loaded["extra"] or {}).items() if k in fields}, step=loaded["step"])
+
+
+class _Loop:
+    """The step loop and its sync points (log, eval, checkpoint, stop); only rank 0 logs and checkpoints."""
+
+    def __init__(self, config: RunConfig, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 sampler: BatchSampler, val_tokens: np.ndarray | None, checkpoints, logger: MetricsLogger | None,
+                 state: LoopState, device: torch.device, world_size: int) -> None:
+        self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
+        self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
+        self.state, self.device = state, device
+        self.tokens_per_step = config.tokens_per_step * world_size
+        self.watch = DivergenceWatch(device, config.train.max_loss)
+        self.window_loss = torch.tensor(state.window_loss_sum, device=device)
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        self.peak_flops = device_peak_flops(device_name, config.train.dtype)
+        self.step_flops = _step_flops(config) if self.peak_flops else None
+        self.last_val_loss: float | None = None
+
+    def run(self, stop: StopRequest) -> TrainResult:
+        cfg = self.config.train
+        self.start_step, self.start_wall = self.state.step, self.state.wall_time
+        self.session_start = self.window_start = time.perf_counter()
+        self.paused = self.session_paused = 0.0  # eval/checkpoint/plot time, left out of tokens/s
+        status, message = "finished", ""
+        while self.state.step < cfg.max_steps:
+            lr = learning_rate(self.state.step, self.config)
+            batches = list(_batches(self.sampler, cfg.grad_accum_steps))
+            loss, grad_norm = train_step(self.model, self.optimizer, batches, lr=lr,
+                                         grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype)
+            self.state.step += 1
+            step, final = self.state.step, self.state.step == cfg.max_steps
+            self.watch.update(step, loss, grad_norm)
+            self.window_loss += loss
+            self.state.window_steps += 1
+            if self.logger:
+                self.logger.advance()
+            log, evaluate_now = step % cfg.log_every == 0 or final, step % cfg.eval_every == 0 or final
+            save = step % cfg.checkpoint_every == 0 or final or stop.received
+            if not (log or evaluate_now or save):
+                continue
+            message = self.watch.check() or ""
+            if message:
+                status = "diverged"
+                break
+            if log:
+                self._log_train(lr, grad_norm)
+            if evaluate_now and self.val_tokens is not None:
+                self._paused(self._evaluate)
+            if save:
+                self._paused(self._checkpoint)
+            if stop.received:
+                status, message = "interrupted", f"stopped by {stop.received}; checkpoint saved at step {step}"
+                break
+        return self._finish(status, message)
+
+    def _paused(self, work: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        work()
+        self.paused += time.perf_counter() - start
+        self.session_paused += time.perf_counter() - start
+
+    def _wall_time(self) -> float:
+        return self.start_wall + time.perf_counter() - self.session_start
+
+    def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
+        loss = (self.window_loss / self.state.window_steps).item()
+        seconds = max(time.perf_counter() - self.window_start - self.paused, 1e-9)
+        steps = self.state.window_steps
+        self.state.last_train_loss = loss
+        self.window_loss, self.state.window_steps = torch.zeros((), device=self.device), 0
+        self.window_start, self.paused = time.perf_counter(), 0.0
+        if self.logger is None:
+            return
+        mfu = steps * self.step_flops / seconds / self.peak_flops if self.peak_flops else None
+        self.logger.log({"kind": "train", "step": self.state.step, "tokens": self.state.step * self.tokens_per_step,
+                         "wall_time": self._wall_time(), "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                         "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
+
+    def _evaluate(self) -> None:
+        if self.logger is None:
+            return
+        # The unwrapped model: a DDP wrapper would try to sync buffers with ranks that are not evaluating.
+        val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device, self.config.train.eval_batches)
+        self.last_val_loss = val_loss
+        best = self.state.best_val_loss
+        if math.isfinite(val_loss) and (best is None or val_loss < best):
+            self.state.best_val_loss = val_loss
+        self.logger.log({"kind": "eval", "step": self.state.step, "tokens": self.state.step * self.tokens_per_step,
+                         "wall_time": self._wall_time(), "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
+        self._plot()
+
+    def _checkpoint(self) -> None:
+        if self.logger is None:
+            return
+        self.state.wall_time = self._wall_time()
+        self.state.window_loss_sum = self.window_loss.item()
+        extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
+        self.checkpoints.save(self.state.step, self.raw_model, self.optimizer, config=self.config.to_dict(),
+                              sampler_state=self.sampler.state_dict(), extra=extra, val_loss=self.last_val_loss)
+
+    def _plot(self) -> None:
+        run_dir = Path(self.config.train.run_dir)
+        plot_curves(self.logger.records, run_dir / CURVES_FILE, title=run_dir.name)
+
+    def _finish(self, status: str, message: str) -> TrainResult:
+        trained = (self.state.step - self.start_step) * self.tokens_per_step
+        seconds = time.perf_counter() - self.session_start - self.session_paused
+        if self.logger is not None:
+            self.logger.log({"kind": "end", "step": self.state.step, "status": status, "message": message})
+            self._plot()
+        return TrainResult(status=status, final_step=self.state.step, train_loss=self.state.last_train_loss,
+                           best_val_loss=self.state.best_val_loss,
+                           tokens_per_s=trained / seconds if trained and seconds > 0 else None,
+                           run_dir=Path(self.config.train.run_dir), message=message)
