@@ -1,0 +1,222 @@
+"""Training-memory estimate, the largest batch that fits, and time to train.
+
+Memory of a training step = static state + activations saved for backward.
+
+Static state, per parameter: fp32 weights 4 B, fp32 gradients 4 B, AdamW's two fp32 moments 8 B: 16 B.
+With ``bf16`` (autocast, fp32 master weights) the static state is the same 16 B plus the bf16 copies of the
+matmul weights that autocast caches for the duration of the forward pass (2 B per matmul weight).
+
+Activations are counted per sequence of T tokens in elements, by two models (see `activation_elements`):
+- ``cs336``: the CS336 assignment-1 accounting exercise: one tensor per listed op, per layer
+  16·T·d + 2·h·T² (scores and softmax probabilities per head), plus T·d (final norm) + T·V (logits) + T (loss).
+- ``scratchlm``: what OUR implementation really saves for backward (read from the code and checked with
+  ``torch.autograd.graph.saved_tensors_hooks`` in the tests); it also holds the SwiGLU gate and the
+  float32 normalization internals, so it is larger and gives a smaller max batch.
+Activation bytes: 4 per element in fp32. Under bf16 autocast the matmul outputs are bf16 (2 B) while the
+normalization, softmax and loss internals run in float32; we charge 2 B for the per-layer d-sized and
+d_ff-sized tensors, 4 B for the T² attention tensors and the logits/loss (a documented approximation: the
+tests check the fp32 model only).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from scratchlm.accounting.params_flops import count_params, ffn_matrices, forward_flops
+from scratchlm.model.config import ModelConfig
+
+DTYPES = ("fp32", "bf16")
+ACTIVATION_MODELS = ("scratchlm", "cs336")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes in '80GB' (10⁹), '80GiB' (2³⁰), '512MB', '1e9'; a clear ValueError for anything else."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"memory size {text!r} not understood; write e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ActivationElements:
+    """Elements saved for backward for ONE sequence of `context` tokens, by component (all layers)."""
+
+    norms: int  # per-layer norms: input and normalized copy (T·d each) and 1/rms (T)
+    attention: int  # T·d-sized: QKV input, scaled Q, K, V, output-projection input
+    attention_scores: int  # the h·T² terms: softmax output and its masked copy (ours); scores + probs (cs336)
+    ffn: int  # FFN input (T·d) and the T·d_ff-sized gate/up/SiLU tensors
+    final_norm: int  # ln_final internals and the LM head input
+    logits: int  # what the loss keeps: T·V-sized shifted logits and their exp (ours); logits + loss (cs336)
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def by_component(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def activation_elements(config: ModelConfig, context: int, model: str = "scratchlm") -> ActivationElements:
+    if model not in ACTIVATION_MODELS:
+        raise ValueError(f"activation model must be one of {ACTIVATION_MODELS}, got {model!r}")
+    c = _cs336_counts(config) if model == "cs336" else _scratchlm_counts(config)
+    t, d, f, h, v, layers = context, config.d_model, config.d_ff, config.num_heads, config.vocab_size, config.num_layers
+    return ActivationElements(
+        norms=layers * (c["norm_td"] * t * d + c["norm_t"] * t),
+        attention=layers * c["attn_td"] * t * d,
+        attention_scores=layers * c["attn_htt"] * h * t * t,
+        ffn=layers * (c["ffn_td"] * t * d + c["ffn_tf"] * t * f),
+        final_norm=c["final_td"] * t * d + c["final_t"] * t,
+        logits=c["logits_tv"] * t * v + c["logits_t"] * t,
+    )
+
+
+def _cs336_counts(config: ModelConfig) -> dict[str, int]:
+    """One output tensor per op in the CS336 list: 2 RMSNorms, Q/K/V, QKᵀ, softmax, AV, output projection,
+    W1, SiLU, W2; final RMSNorm, output embedding (logits), cross-entropy (per-token losses). With
+    d_ff = 4d this is 16·T·d + 2·h·T² per layer."""
+    norms = 0 if config.norm == "none" else 1
+    return dict(norm_td=2 * norms, norm_t=0, attn_td=5, attn_htt=2, ffn_td=1, ffn_tf=2,
+                final_td=norms, final_t=0, logits_tv=1, logits_t=1)
+
+
+def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
+    """What our code keeps (read from model/layers.py, attention.py, transformer.py and train/loss.py):
+    - each RMSNorm/LayerNorm: its float32 input (or centered input), the normalized copy, and 1/rms (T);
+    - attention: the QKV matmul input, Q·(1/√d_k) and K (bmm operands), a contiguous copy of V (bmm operand),
+      the output projection's input (heads merged): 5·T·d; softmax output and its masked copy: 2·h·T²;
+    - SwiGLU: its input, W1x, sigmoid(W1x), SiLU(W1x), W3x and the product: T·d + 5·T·d_ff
+      (SiLU FFN: T·d + 3·T·d_ff);
+    - ln_final internals (2·T·d + T) and the LM head input (T·d);
+    - cross_entropy: shifted logits (kept by gather) and their exp (2·T·V), log input (T), int64 targets (2·T).
+    """
+    norm = config.norm != "none"
+    return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=5, attn_htt=2,
+                ffn_td=1, ffn_tf=5 if config.ffn == "swiglu" else 3,
+                final_td=1 + 2 * norm, final_t=norm, logits_tv=2, logits_t=3)
+
+
+def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
+                        model: str = "scratchlm") -> dict[str, int]:
+    """Activations that do not grow with the batch (ours only): the concatenated QKV weight the fused matmul
+    saves (3·d² per layer, plus its bf16 cast under autocast), the RoPE cos/sin rows gathered per call
+    (2·T·d_head per layer) and the bool masks (T² + T bytes per layer)."""
+    if model == "cs336":
+        return {}
+    layers, d = config.num_layers, config.d_model
+    low = 4 if dtype == "fp32" else 2
+    return {
+        "fused_qkv_weights": layers * 3 * d * d * (4 if dtype == "fp32" else 6),
+        "rope_tables": layers * 2 * context * config.head_dim * low if config.position == "rope" else 0,
+        "masks": layers * (context * context + context),
+    }
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training step at `batch` × `context` tokens."""
+
+    dtype: str
+    batch: int
+    context: int
+    activation_model: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    autocast_weights: int  # bf16 weight copies cached by autocast (0 in fp32)
+    step_constant: dict[str, int]  # activations that do not scale with the batch
+    activations: dict[str, int]  # bytes by component, whole batch (incl. the transient logits gradient)
+
+    @property
+    def static(self) -> int:
+        """Bytes that do not depend on the batch size."""
+        return (self.parameters + self.gradients + self.optimizer_state + self.autocast_weights
+                + sum(self.step_constant.values()))
+
+    @property
+    def activation_total(self) -> int:
+        return sum(self.activations.values())
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activation_total
+
+    def breakdown(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_state": self.optimizer_state,
+                "autocast_weights": self.autocast_weights, **self.step_constant,
+                **{f"activations.{name}": value for name, value in self.activations.items()}}
+
+
+def _activation_bytes(elements: ActivationElements, dtype: str) -> dict[str, int]:
+    if dtype == "fp32":
+        return {name: 4 * value for name, value in elements.by_component().items()}
+    # bf16 autocast: matmul outputs and inputs are bf16; norms keep float32 copies, the loss runs in float32.
+    wide = {"norms", "final_norm", "logits"}
+    return {name: (4 if name in wide else 2) * value for name, value in elements.by_component().items()}
+
+
+def estimate_memory(config: ModelConfig, context: int, batch: int, dtype: str = "fp32",
+                    activation_model: str = "scratchlm") -> MemoryEstimate:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if context <= 0 or batch <= 0:
+        raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
+    params = count_params(config)
+    matmul_weights = params.attention + params.ffn + (params.lm_head or params.embeddings)
+    per_sequence = _activation_bytes(activation_elements(config, context, activation_model), dtype)
+    if activation_model == "scratchlm":  # the logits gradient appears before backward frees anything
+        per_sequence["logits_grad"] = 4 * context * config.vocab_size
+    return MemoryEstimate(
+        dtype=dtype, batch=batch, context=context, activation_model=activation_model,
+        parameters=4 * params.total, gradients=4 * params.total, optimizer_state=8 * params.total,
+        autocast_weights=2 * matmul_weights if dtype == "bf16" else 0,
+        step_constant=step_constant_bytes(config, context, dtype, activation_model),
+        activations={name: batch * value for name, value in per_sequence.items()},
+    )
+
+
+def max_batch_size(config: ModelConfig, context: int, memory_bytes: int, dtype: str = "fp32",
+                   activation_model: str = "scratchlm") -> int:
+    """Largest batch whose estimate fits in `memory_bytes` (0 when even the batch-independent part does not)."""
+    one = estimate_memory(config, context, 1, dtype, activation_model)
+    return max(0, (memory_bytes - one.static) // one.activation_total)
+
+
+@dataclass(frozen=True)
+class TrainingTime:
+    tokens: float
+    tokens_per_second: float
+    seconds: float
+
+    @property
+    def days(self) -> float:
+        return self.seconds / 86_400
+
+
+def training_flops_per_token(config: ModelConfig, context: int) -> float:
+    """3 × forward FLOPs per token (AdamW's per-step cost is amortized over a batch and left out)."""
+    return 3 * forward_flops(config, context, batch=1).total / context
+
+
+def time_to_train(config: ModelConfig, context: int, tokens: float, *, tokens_per_second: float | None = None,
+                  peak_tflops: float | None = None, mfu: float | None = None) -> TrainingTime:
+    """Wall time for `tokens` training tokens, at a measured throughput or at peak TFLOP/s × MFU."""
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    if tokens_per_second is None:
+        if peak_tflops is None or mfu is None:
+            raise ValueError("give either tokens_per_second or both peak_tflops and mfu")
+        if peak_tflops <= 0 or not 0 < mfu <= 1:
+            raise ValueError(f"need peak_tflops > 0 and 0 < mfu <= 1, got {peak_tflops} and {mfu}")
+        tokens_per_second = peak_tflops * 1e12 * mfu / training_flops_per_token(config, context)
+    if tokens_per_second <= 0 or math.isnan(tokens_per_second):
+        raise ValueError(f"tokens_per_second must be positive, got {tokens_per_second}")
+    return TrainingTime(tokens=tokens, tokens_per_second=tokens_per_second, seconds=tokens / tokens_per_second)

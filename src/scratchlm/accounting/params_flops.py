@@ -1,0 +1,143 @@
+"""Parameter counts and forward/training FLOPs of a TransformerLM, by component, from closed formulas.
+
+Everything here is arithmetic on a `ModelConfig`: nothing is built, so a GPT-2 XL plan costs microseconds.
+The formulas follow the model exactly (tests compare them with `sum(p.numel())` of the built model and with
+`torch.utils.flop_counter.FlopCounterMode` on a real forward pass):
+
+Parameters (d = d_model, f = d_ff, V = vocab, L = layers, n = norm parameters per norm: d for RMSNorm,
+2d for LayerNorm (weight + bias), 0 for none):
+    embeddings V·d;  per layer: attention 4d² (Q, K, V, output), FFN 3df (SwiGLU) or 2df (SiLU), 2 norms 2n;
+    final norm n;  LM head V·d (0 when tied to the embeddings).
+    SwiGLU with f = 4d, RMSNorm, untied: P = L(16d² + 2d) + 2Vd + d.
+
+Forward matmul FLOPs for B sequences of T tokens (a matmul (m×k)·(k×n) costs 2mkn):
+    attention projections 8BTd² per layer; attention scores QKᵀ 2BT²d; weighted values AV 2BT²d;
+    FFN 6BTdf (SwiGLU) or 4BTdf (SiLU); LM head 2BTdV.
+The causal mask does not halve the core: our attention computes the full T×T scores, as most kernels without
+block skipping do. Elementwise work (norms, softmax, RoPE, SiLU) is O(BTd + BhT²), below 1% and left out,
+as FlopCounterMode does. Training ≈ 3 × forward (backward computes two matmuls per forward matmul: the
+gradients with respect to the input and to the weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from scratchlm.model.config import ModelConfig
+
+# AdamW update per parameter: m = β1·m + (1-β1)·g (3), v = β2·v + (1-β2)·g² (4),
+# p -= lr·wd·p (2), p -= lr · m̂ / (√v̂ + ε) with bias corrections folded into scalars (5: sqrt, add, div, mul, sub).
+ADAMW_FLOPS_PER_PARAM = 14
+
+
+def norm_params(config: ModelConfig) -> int:
+    """Parameters of one normalization layer."""
+    return {"rmsnorm": config.d_model, "layernorm": 2 * config.d_model, "none": 0}[config.norm]
+
+
+def ffn_matrices(config: ModelConfig) -> int:
+    """Weight matrices of size d_model × d_ff in one FFN: SwiGLU has w1, w2, w3; the SiLU FFN w1, w2."""
+    return 3 if config.ffn == "swiglu" else 2
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Trainable parameters by component (whole model, all layers)."""
+
+    embeddings: int
+    attention: int
+    ffn: int
+    norms: int  # the two norms of every block
+    final_norm: int
+    lm_head: int  # 0 when tied to the embeddings
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    @property
+    def non_embedding(self) -> int:
+        """Parameters outside the embedding and LM head tables (the count scaling laws use)."""
+        return self.total - self.embeddings - self.lm_head
+
+    def by_component(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def count_params(config: ModelConfig) -> ParamCounts:
+    d, layers = config.d_model, config.num_layers
+    return ParamCounts(
+        embeddings=config.vocab_size * d,
+        attention=layers * 4 * d * d,
+        ffn=layers * ffn_matrices(config) * d * config.d_ff,
+        norms=layers * 2 * norm_params(config),
+        final_norm=norm_params(config),
+        lm_head=0 if config.tie_embeddings else config.vocab_size * d,
+    )
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """Forward-pass matmul FLOPs by component for `batch` sequences of `context` tokens."""
+
+    attention_proj: int  # Q, K, V and output projections
+    attention_scores: int  # Q·Kᵀ
+    attention_values: int  # softmax(QKᵀ)·V
+    ffn: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def by_component(self) -> dict[str, int]:
+        return asdict(self)
+
+    def shares(self) -> dict[str, float]:
+        """Fraction of the forward FLOPs spent in each component."""
+        total = self.total
+        return {name: value / total for name, value in asdict(self).items()}
+
+
+def forward_flops(config: ModelConfig, context: int, batch: int = 1) -> ForwardFlops:
+    if context <= 0 or batch <= 0:
+        raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
+    d, layers, tokens = config.d_model, config.num_layers, batch * context
+    return ForwardFlops(
+        attention_proj=layers * 2 * tokens * d * 4 * d,
+        attention_scores=layers * 2 * tokens * context * d,  # per head 2·T·T·d_head, times h heads
+        attention_values=layers * 2 * tokens * context * d,
+        ffn=layers * 2 * tokens * d * config.d_ff * ffn_matrices(config),
+        lm_head=2 * tokens * d * config.vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one optimizer step: forward, backward (2 × forward) and the AdamW update."""
+
+    forward: int
+    backward: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.optimizer
+
+
+def training_step_flops(config: ModelConfig, context: int, batch: int) -> StepFlops:
+    fwd = forward_flops(config, context, batch).total
+    return StepFlops(forward=fwd, backward=2 * fwd, optimizer=ADAMW_FLOPS_PER_PARAM * count_params(config).total)
+
+
+def flops_share_table(presets: list[str], contexts: list[int]) -> list[dict]:
+    """Rows of (preset, context, forward FLOPs for one sequence, component shares): how the mix moves with size
+    and context length (the T² attention core takes over at long context)."""
+    rows = []
+    for name in presets:
+        config = ModelConfig.preset(name)
+        for context in contexts:
+            flops = forward_flops(config, context, batch=1)
+            rows.append({"preset": name, "context": context, "params": count_params(config).total,
+                         "forward_flops": flops.total, "shares": flops.shares()})
+    return rows
