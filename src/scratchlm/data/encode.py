@@ -1,0 +1,240 @@
+"""Encode text corpora into one token file, in parallel processes and constant memory.
+
+Design:
+- Each input file is cut into byte ranges at *safe* points: right after a ``"\\n"`` whose neighbours are both
+  printable ASCII (and which no special token spans). There GPT-2 pre-tokenization of the whole text equals
+  that of the two halves: the newline is its own pre-token either way, and no match looks across it. So the
+  parallel result is identical to encoding each file in one go (``Tokenizer.encode`` of its whole text).
+- Workers stream their range in 1 MiB blocks through an incremental UTF-8 decoder into
+  ``Tokenizer.encode_stream`` and write a part token file; the parent appends the parts in order to the output
+  through ``TokenFileWriter``, so the output appears, complete, only at the end. Parts live in a temporary
+  folder beside the output and are removed whatever happens.
+- Each input file is encoded on its own: no pre-token crosses from one file into the next.
+- Invalid UTF-8: ``errors="strict"`` (default) stops with the file and byte offset; ``errors="replace"``
+  substitutes U+FFFD, exactly as ``bytes.decode(errors="replace")`` of the whole file would.
+"""
+
+from __future__ import annotations
+
+import codecs
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from scratchlm.data.token_file import TokenFileWriter, open_token_file
+from scratchlm.tokenizer.tokenizer import Tokenizer
+
+READ_BLOCK = 1 << 20
+MIN_CHUNK_BYTES = 1 << 20  # smaller ranges are not worth a task
+CHUNKS_PER_WORKER = 4  # a few tasks per worker balance uneven ranges
+ERROR_POLICIES = ("strict", "replace")
+_SAFE_NEIGHBOURS = frozenset(range(0x21, 0x7F))  # printable ASCII, never whitespace
+_CUT_SEARCH_WINDOW = 1 << 16
+
+
+@dataclass(frozen=True)
+class EncodeStats:
+    input_bytes: int
+    num_tokens: int
+    seconds: float
+    workers: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.input_bytes / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.input_bytes / 1e6 / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.input_bytes / 1e6:,.1f} MB -> {self.num_tokens:,} tokens "
+                f"({self.bytes_per_token:.2f} bytes/token) in {self.seconds:.1f} s "
+                f"({self.mb_per_s:.1f} MB/s, {self.workers} worker{'s' if self.workers != 1 else ''})")
+
+
+@dataclass(frozen=True)
+class _Task:
+    path: Path
+    start: int
+    end: int
+    part: Path
+    errors: str
+
+
+def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], out: str | Path, *,
+                  workers: int = 2, errors: str = "strict", progress: bool = False) -> EncodeStats:
+    """Encode the input text files, in order, into the token file ``out``; returns sizes and speed."""
+    started = time.perf_counter()
+    if errors not in ERROR_POLICIES:
+        raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.load(tokenizer)
+    paths = [_checked_input(path) for path in inputs]
+    if not paths:
+        raise ValueError("no input files given")
+    out = Path(out)
+    total_bytes = sum(path.stat().st_size for path in paths)
+    ranges = _plan_ranges(paths, tokenizer, workers)
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.", dir=_existing_parent(out)))
+    try:
+        tasks = [_Task(path, start, end, parts_dir / f"{index:06d}.tok", errors)
+                 for index, (path, start, end) in enumerate(ranges)]
+        with TokenFileWriter(out, vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash) as writer:
+            for task in _run_tasks(tokenizer, tasks, workers, progress, total_bytes):
+                _append_part(writer, task.part)
+            num_tokens = writer.num_tokens
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    used = min(workers, len(tasks))
+    return EncodeStats(total_bytes, num_tokens, time.perf_counter() - started, used)
+
+
+def _checked_input(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+    with open(path, "rb"):  # unreadable files fail here, before any work starts
+        pass
+    return path
+
+
+def _existing_parent(out: Path) -> Path:
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {out}: folder {out.parent} does not exist")
+    return out.parent
+
+
+def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress: bool,
+               total_bytes: int) -> Iterator[_Task]:
+    """Encode every task's range into its part file; yield the tasks in order as their parts are ready."""
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=not progress)
+    try:
+        if workers == 1 or len(tasks) == 1:
+            for task in tasks:
+                _encode_range(tokenizer, task)
+                bar.update(task.end - task.start)
+                yield task
+            return
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
+                                 initargs=(tokenizer,)) as pool:
+            try:
+                for task in pool.map(_encode_range_in_worker, tasks):
+                    bar.update(task.end - task.start)
+                    yield task
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    finally:
+        bar.close()
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_range_in_worker(task: _Task) -> _Task:
+    assert _WORKER_TOKENIZER is not None, "worker started without a tokenizer"
+    _encode_range(_WORKER_TOKENIZER, task)
+    return task
+
+
+def _encode_range(tokenizer: Tokenizer, task: _Task) -> None:
+    with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size) as writer:
+        for ids in tokenizer.encode_stream(_decoded_blocks(task)):
+            writer.write(ids)
+
+
+def _decoded_blocks(task: _Task) -> Iterator[str]:
+    """The text of task's byte range, block by block; invalid UTF-8 raises naming file and byte offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors=task.errors)
+    position = task.start
+    with open(task.path, "rb") as handle:
+        handle.seek(task.start)
+        while position < task.end:
+            block = handle.read(min(READ_BLOCK, task.end - position))
+            if not block:
+                raise ValueError(f"{task.path}: file shrank while being read (ended at byte {position})")
+            pending = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(block, final=position + len(block) == task.end)
+            except UnicodeDecodeError as error:
+                offset = position - pending + error.start
+                bad = error.object[error.start:error.end]
+                raise ValueError(f"{task.path}: invalid UTF-8 at byte offset {offset} ({bad!r}: {error.reason}); "
+                                 "fix the file or use --errors replace to substitute U+FFFD") from None
+            position += len(block)
+            yield text
+
+
+def _append_part(writer: TokenFileWriter, part: Path) -> None:
+    tokens = open_token_file(part, vocab_size=writer.vocab_size).tokens
+    for start in range(0, len(tokens), READ_BLOCK):
+        writer.write(tokens[start:start + READ_BLOCK])
+    del tokens
+    part.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- chunking
+def _plan_ranges(paths: list[Path], tokenizer: Tokenizer, workers: int) -> list[tuple[Path, int, int]]:
+    """(path, start, end) byte ranges covering every file in order, cut only at safe points."""
+    total = sum(path.stat().st_size for path in paths)
+    target = max(MIN_CHUNK_BYTES, total // (workers * CHUNKS_PER_WORKER) + 1) if workers > 1 else total + 1
+    specials = [token.encode("utf-8") for token in tokenizer.special_tokens]
+    ranges = []
+    for path in paths:
+        size = path.stat().st_size
+        start = 0
+        with open(path, "rb") as handle:
+            while size - start > target:
+                cut = _next_safe_cut(handle, start + target, size, specials)
+                if cut >= size:
+                    break
+                ranges.append((path, start, cut))
+                start = cut
+        ranges.append((path, start, size))
+    return ranges
+
+
+def _next_safe_cut(handle, position: int, size: int, specials: list[bytes]) -> int:
+    """The first offset >= position just after a "\\n" between printable ASCII bytes; ``size`` if none."""
+    while position < size:
+        handle.seek(position - 1)
+        window = handle.read(_CUT_SEARCH_WINDOW + 1)
+        newline = window.find(b"\n", 1)
+        while 0 < newline < len(window) - 1:
+            cut = position - 1 + newline + 1
+            if (window[newline - 1] in _SAFE_NEIGHBOURS and window[newline + 1] in _SAFE_NEIGHBOURS
+                    and not _special_spans(handle, cut, specials)):
+                return cut
+            newline = window.find(b"\n", newline + 1)
+        position += _CUT_SEARCH_WINDOW - 1
+    return size
+
+
+def _special_spans(handle, cut: int, specials: list[bytes]) -> bool:
+    """Whether any special token's bytes occur across ``cut`` (a cut there could split it)."""
+    longest = max((len(token) for token in specials), default=0)
+    if longest < 2:
+        return False
+    start = max(cut - longest + 1, 0)
+    handle.seek(start)
+    around = handle.read(2 * longest)
+    index = cut - start
+    return any(around.find(token, max(index - len(token) + 1, 0), index + len(token) - 1) != -1
+               for token in specials if len(token) > 1)
