@@ -20,6 +20,11 @@ import torch
 from torch import nn
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x upcast to float32 when it is narrower (fp16/bf16); float32 and float64 pass through without a copy."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
     """Normal(0, std²) truncated at ±3·std, in place."""
     return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
@@ -58,7 +63,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · g over the last dim, computed in float32 and cast back to x's dtype."""
+    """x / sqrt(mean(x²) + eps) · g over the last dim, computed in (at least) float32, cast back."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
@@ -66,9 +71,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # no copy when x is already float32
+        x32 = _at_least_float32(x)
         inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
-        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+        return (x32 * inv_rms * self.weight.to(x32.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -84,10 +89,10 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = _at_least_float32(x)
         centered = x32 - x32.mean(dim=-1, keepdim=True)
         inv_std = torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
-        return (centered * inv_std * self.weight.float() + self.bias.float()).to(x.dtype)
+        return (centered * inv_std * self.weight.to(x32.dtype) + self.bias.to(x32.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

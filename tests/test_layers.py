@@ -1,0 +1,165 @@
+"""Each from-scratch layer against its torch counterpart, on random and extreme inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.testing import assert_close
+
+from scratchlm.model.attention import RotaryPositionalEmbedding, scaled_dot_product_attention
+from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, silu, softmax
+
+
+def test_linear_matches_nn_linear_over_leading_dims():
+    ours = Linear(24, 40)
+    ref = nn.Linear(24, 40, bias=False)
+    ref.weight.data.copy_(ours.weight.data)
+    x = torch.randn(2, 3, 5, 24)
+    assert_close(ours(x), ref(x))
+    assert ours.weight.shape == (40, 24)
+
+
+def test_linear_init_is_truncated_normal_with_xavier_std():
+    w = Linear(600, 400).weight.detach()
+    sigma = math.sqrt(2 / 1000)
+    assert w.abs().max() <= 3 * sigma + 1e-7
+    assert abs(w.mean().item()) < 0.01 * sigma * 10
+    # Truncation at ±3σ shrinks the std by ≈ 1.3%.
+    assert w.std().item() == pytest.approx(sigma * 0.9866, rel=0.02)
+
+
+def test_embedding_matches_nn_embedding_and_init():
+    ours = Embedding(1000, 64)
+    ref = nn.Embedding(1000, 64)
+    ref.weight.data.copy_(ours.weight.data)
+    ids = torch.randint(0, 1000, (3, 7))
+    assert_close(ours(ids), ref(ids))
+    w = ours.weight.detach()
+    assert w.abs().max() <= 3.0 and w.std().item() == pytest.approx(0.9866, rel=0.03)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0, 1e4])
+def test_rmsnorm_matches_nn_rmsnorm(scale):
+    ours = RMSNorm(48, eps=1e-5)
+    ours.weight.data.uniform_(0.5, 1.5)
+    ref = nn.RMSNorm(48, eps=1e-5)
+    ref.weight.data.copy_(ours.weight.data)
+    x = torch.randn(4, 5, 48) * scale
+    assert_close(ours(x), ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rmsnorm_half_precision_at_magnitude_300_does_not_overflow(dtype):
+    norm = RMSNorm(512).to(dtype)
+    x32 = torch.randn(2, 8, 512) * 300
+    out = norm(x32.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    expected = (x32.to(dtype).float() * torch.rsqrt(x32.to(dtype).float().pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert_close(out, expected.to(dtype))
+    # The naive half-precision formula overflows: what the float32 computation is there to prevent.
+    if dtype == torch.float16:
+        assert not torch.isfinite(x32.to(dtype).pow(2).sum(-1)).all()
+
+
+def test_layernorm_matches_nn_layernorm():
+    ours = LayerNorm(32)
+    ours.weight.data.uniform_(0.5, 1.5)
+    ours.bias.data.normal_()
+    ref = nn.LayerNorm(32)
+    ref.weight.data.copy_(ours.weight.data)
+    ref.bias.data.copy_(ours.bias.data)
+    for scale, offset in ((1e-2, 0.0), (1.0, 5.0), (1e3, 5.0)):
+        x = torch.randn(3, 6, 32) * scale + offset
+        assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-5)
+    # Tiny spread around a large mean is ill-conditioned in float32: judge both against float64 there.
+    x = torch.randn(3, 6, 32) * 1e-2 + 5
+    exact = ref.double()(x.double()).float()
+    assert (ours(x) - exact).abs().max() <= 2 * (ref.float()(x) - exact).abs().max() + 1e-6
+
+
+def test_silu_matches_f_silu_values_and_grads():
+    x = torch.cat([torch.randn(1000) * 5, torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4])]).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = silu(x), F.silu(x_ref)
+    assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_softmax_matches_torch_including_huge_logits(dim):
+    x = torch.randn(5, 7, 9) * 3
+    x[0, 0, 0], x[1, 1, 1], x[2, 2, 2] = 1e4, -1e4, 1e4
+    x.requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = softmax(x, dim), torch.softmax(x_ref, dim)
+    assert torch.isfinite(y).all()
+    assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    assert_close(x.grad, x_ref.grad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=1, max_size=20), st.floats(-1e3, 1e3))
+def test_softmax_sums_to_one_and_ignores_shifts(values, shift):
+    x = torch.tensor(values, dtype=torch.float64)
+    y = softmax(x)
+    assert_close(y.sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert_close(softmax(x + shift), y, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("leading", [(), (3,), (2, 4), (2, 1, 3)])
+def test_sdpa_matches_torch_with_and_without_masks(leading):
+    Q, K, V = torch.randn(*leading, 6, 8), torch.randn(*leading, 9, 8), torch.randn(*leading, 9, 5)
+    assert_close(scaled_dot_product_attention(Q, K, V), F.scaled_dot_product_attention(Q, K, V))
+    mask = torch.rand(*leading, 6, 9) > 0.3
+    mask[..., 0] = True  # every row attends to something (torch gives NaN for empty rows)
+    assert_close(scaled_dot_product_attention(Q, K, V, mask), F.scaled_dot_product_attention(Q, K, V, mask))
+    causal = torch.ones(6, 9, dtype=torch.bool).tril()
+    assert_close(scaled_dot_product_attention(Q, K, V, causal), F.scaled_dot_product_attention(Q, K, V, causal))
+
+
+def test_sdpa_fully_masked_row_returns_zeros_and_finite_grads():
+    Q, K, V = (torch.randn(2, 4, 3, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 4, 4, dtype=torch.bool)
+    mask[0, 1] = False  # query 1 of batch 0 may attend to nothing
+    out = scaled_dot_product_attention(Q, K, V, mask)
+    assert torch.equal(out[0, 1], torch.zeros(3))
+    assert_close(out[1], F.scaled_dot_product_attention(Q[1], K[1], V[1]))
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (Q, K, V))
+
+
+def _rope_via_complex(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Oracle: adjacent pairs as complex numbers multiplied by e^{i·pos·θ^(-2k/d)}."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    rot = torch.polar(torch.ones_like(freqs), positions.double()[..., None] * freqs)
+    pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+
+
+def test_rope_matches_complex_rotation_with_batched_positions():
+    rope = RotaryPositionalEmbedding(10_000.0, 16, 64)
+    x = torch.randn(2, 3, 5, 16)
+    positions = torch.randint(0, 64, (2, 3, 5))
+    assert_close(rope(x, positions), _rope_via_complex(x, positions, 10_000.0), atol=1e-5, rtol=1e-5)
+    shared = torch.arange(5)  # one position vector broadcast over the batch
+    assert_close(rope(x, shared), _rope_via_complex(x, shared.expand(2, 3, 5), 10_000.0), atol=1e-5, rtol=1e-5)
+    assert "cos" not in rope.state_dict() and "sin" not in rope.state_dict()
+
+
+def test_rope_preserves_relative_position_dot_products():
+    rope = RotaryPositionalEmbedding(500.0, 8, 32)
+    q, k = torch.randn(8), torch.randn(8)
+    dots = [(rope(q[None], torch.tensor([p + 3])) @ rope(k[None], torch.tensor([p])).T).item() for p in (0, 7, 20)]
+    assert dots == pytest.approx([dots[0]] * 3, rel=1e-4)

@@ -1,0 +1,180 @@
+"""TransformerLM: ablation switches, input errors, KV cache and padding, gradcheck, checkpointing, counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from scratchlm.model import KVCache, ModelConfig, TransformerLM
+
+TINY = ModelConfig.preset("tiny")
+
+
+def _model(**overrides) -> TransformerLM:
+    return TransformerLM(ModelConfig.preset("tiny", **overrides)).eval()
+
+
+@pytest.mark.parametrize("norm,norm_position,position,ffn,tie", [
+    combo for combo in itertools.product(("rmsnorm", "layernorm", "none"), ("pre", "post"), ("rope", "nope"),
+                                         ("swiglu", "silu"), (False, True))
+    if combo[1] == "pre" or combo[3] == "swiglu"  # post-norm × FFN kind adds nothing new
+])
+def test_every_ablation_builds_runs_forward_and_backward(norm, norm_position, position, ffn, tie):
+    model = _model(norm=norm, norm_position=norm_position, position=position, ffn=ffn, tie_embeddings=tie).train()
+    ids = torch.randint(0, TINY.vocab_size, (2, 12))
+    logits = model(ids)
+    assert logits.shape == (2, 12, TINY.vocab_size) and torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    names = set(model.state_dict())
+    assert ("layers.0.ln1.weight" in names) == (norm != "none")
+    assert ("layers.0.ffn.w3.weight" in names) == (ffn == "swiglu")
+
+
+def test_state_dict_names_follow_the_reference():
+    names = set(_model().state_dict())
+    expected = {"token_embeddings.weight", "ln_final.weight", "lm_head.weight"}
+    for i in range(TINY.num_layers):
+        expected |= {f"layers.{i}.attn.{p}_proj.weight" for p in ("q", "k", "v", "output")}
+        expected |= {f"layers.{i}.ffn.w{j}.weight" for j in (1, 2, 3)} | {f"layers.{i}.ln{j}.weight" for j in (1, 2)}
+    assert names == expected
+
+
+def test_model_is_causal():
+    model = _model()
+    ids = torch.randint(0, TINY.vocab_size, (1, 10))
+    changed = ids.clone()
+    changed[0, 6:] = (changed[0, 6:] + 1) % TINY.vocab_size
+    assert_close(model(ids)[:, :6], model(changed)[:, :6])
+    assert not torch.allclose(model(ids)[:, 6:], model(changed)[:, 6:])
+
+
+def test_bad_inputs_raise_clear_value_errors():
+    model = _model()
+    with pytest.raises(ValueError, match="exceeds context_length 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token id 256 is outside the vocabulary \[0, 256\)"):
+        model(torch.tensor([[1, 256, 3]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match=r"\(batch, seq\) integer tensor"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(batch, seq\) integer tensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="attention_mask must be a bool tensor"):
+        model(torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="token_positions must lie in"):
+        model(torch.zeros(1, 4, dtype=torch.long), token_positions=torch.tensor([0, 1, 2, 40]))
+
+
+def test_check_inputs_off_skips_the_value_range_check():
+    model = _model()
+    model.check_inputs = False
+    with pytest.raises(IndexError):  # our ValueError was skipped; the lookup itself fails
+        model(torch.tensor([[1, 256]]))
+
+
+def test_kv_cache_logits_equal_full_recompute_at_every_step():
+    model = _model()
+    ids = torch.randint(0, TINY.vocab_size, (3, 20))
+    full = model(ids)
+    cache = KVCache.for_model(model, batch_size=3)
+    with torch.no_grad():
+        chunks = [model(ids[:, :5], kv_cache=cache)]  # prefill, then one token at a time
+        chunks += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(5, 20)]
+    assert cache.length == 20
+    assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_errors_when_full_or_wrong_batch():
+    model = _model()
+    cache = KVCache.for_model(model, batch_size=2, max_seq_len=8)
+    with torch.no_grad():
+        model(torch.zeros(2, 8, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="KV cache full"):
+            model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="batch size 2"):
+            model(torch.zeros(3, 1, dtype=torch.long), kv_cache=KVCache.for_model(model, batch_size=2))
+
+
+def test_left_padded_batch_matches_each_prompt_alone_with_and_without_cache():
+    model = _model()
+    prompts = [torch.randint(0, TINY.vocab_size, (n,)) for n in (7, 3, 5)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, True
+    nxt = torch.randint(0, TINY.vocab_size, (3, 4))
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask)
+        cache = KVCache.for_model(model, batch_size=3)
+        prefill = model(ids, attention_mask=mask, kv_cache=cache)
+        steps = torch.cat([model(nxt[:, t:t + 1], kv_cache=cache) for t in range(4)], dim=1)
+        for row, p in enumerate(prompts):
+            alone = model(torch.cat([p, nxt[row]])[None])
+            assert_close(padded[row, width - len(p):], alone[0, :len(p)], atol=1e-5, rtol=1e-5)
+            assert_close(prefill[row, width - len(p):], alone[0, :len(p)], atol=1e-5, rtol=1e-5)
+            assert_close(steps[row], alone[0, len(p):], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(padded).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_sdpa_path_matches_ours(padded):
+    model = _model()
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    if padded:
+        mask[1, :5] = False
+    ours = model(ids, attention_mask=mask)
+    model.set_fused_sdpa(True)
+    fused = model(ids, attention_mask=mask)
+    assert_close(fused, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_float64_tiny_model():
+    cfg = ModelConfig(vocab_size=11, context_length=4, d_model=8, num_layers=1, num_heads=2, d_ff=8)
+    model = TransformerLM(cfg, dtype=torch.float64)
+    ids = torch.randint(0, 11, (1, 4))
+    names = [name for name, _ in model.named_parameters()]
+
+    def logits_of(*weights):
+        return torch.func.functional_call(model, dict(zip(names, weights)), (ids,))
+
+    inputs = tuple(p.detach().clone().requires_grad_() for p in model.parameters())
+    assert torch.autograd.gradcheck(logits_of, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_checkpoint_blocks_gives_identical_gradients():
+    model = _model().train()
+    ids = torch.randint(0, TINY.vocab_size, (2, 12))
+    model(ids).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.checkpoint_blocks = True
+    model(ids).square().mean().backward()
+    for p, g in zip(model.parameters(), expected):
+        assert_close(p.grad, g)
+
+
+def test_tied_embeddings_share_one_matrix_with_lm_head_init():
+    cfg = ModelConfig.preset("tinystories-17m", tie_embeddings=True, num_layers=1)
+    model = TransformerLM(cfg)
+    assert model.lm_head.weight is model.token_embeddings.weight
+    sigma = (2 / (cfg.d_model + cfg.vocab_size)) ** 0.5
+    assert model.lm_head.weight.std().item() == pytest.approx(sigma * 0.9866, rel=0.02)
+    untied = TransformerLM(ModelConfig.preset("tinystories-17m", num_layers=1))
+    assert model.num_parameters() == untied.num_parameters() - cfg.vocab_size * cfg.d_model
+    assert model.num_parameters(non_embedding=True) == model.num_parameters()
+
+
+def test_num_parameters_matches_closed_formula():
+    cfg = ModelConfig.preset("tinystories-17m")
+    model = TransformerLM(cfg, device="meta")
+    d, L, V, f = cfg.d_model, cfg.num_layers, cfg.vocab_size, cfg.d_ff
+    per_layer = 4 * d * d + 3 * d * f + 2 * d
+    assert model.num_parameters() == L * per_layer + 2 * V * d + d
+    assert model.num_parameters(non_embedding=True) == L * per_layer + V * d + d
