@@ -1,0 +1,186 @@
+"""generate(): KV-cached decoding equals full recomputation, sampling filters equal simple references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scratchlm.generate.sampling import _Decoder, generate, sample_next, stream, top_k_filter, top_p_filter
+from scratchlm.model import ModelConfig, TransformerLM
+
+CONTEXT = 32  # the tiny preset's context_length
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls on a busy 2-core machine: one thread is ~50x faster than two threads spin-waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> TransformerLM:
+    torch.manual_seed(1234)
+    model = TransformerLM(ModelConfig.preset("tiny"))
+    with torch.no_grad():  # sharper logits than the init's: greedy paths then depend on every detail
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+def _random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+# --- KV cache vs full recomputation -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lengths", [[7], [5, 12, 1], [40, 3]])  # [40, 3]: a prompt longer than the context
+def test_cached_logits_equal_full_recompute_at_every_step(model, lengths):
+    steps = 3 * CONTEXT  # slides the window several times
+    prompts = _random_prompts(lengths)
+    cached, full = _Decoder(model, prompts, steps, use_cache=True), _Decoder(model, prompts, steps, use_cache=False)
+    forced = torch.randint(0, 256, (len(prompts), steps))  # teacher-forced continuation
+    for decoder in (cached, full):
+        decoder.tokens[:, cached.prompt_width:] = forced
+    with torch.inference_mode():
+        for column in range(cached.prompt_width, cached.prompt_width + steps):
+            got = cached.logits_before(column)
+            torch.testing.assert_close(got, full.logits_before(column), rtol=1e-4, atol=1e-4)
+            assert cached.start == full.start and column - cached.start <= CONTEXT
+            for row in range(len(prompts)):  # oracle: the row alone, its real tokens in the window, no cache
+                window = slice(cached.start, column)
+                alone = cached.tokens[row, window][cached.real[row, window]]
+                expected = model(alone[None])[0, -1]
+                torch.testing.assert_close(got[row], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_cached_equals_greedy_uncached_beyond_context(model):
+    prompts = _random_prompts([4, 9])
+    cached = generate(model, prompts, 3 * CONTEXT, temperature=0)
+    assert cached == generate(model, prompts, 3 * CONTEXT, temperature=0, use_cache=False)
+    assert [len(row) for row in cached] == [3 * CONTEXT] * 2
+    assert len(set(cached[0])) > 5  # a real path, not one token repeated
+
+
+def test_batch_of_different_lengths_equals_each_prompt_alone(model):
+    prompts = _random_prompts([1, 6, 13, 3])
+    batch = generate(model, prompts, CONTEXT - 13, temperature=0)
+    assert batch == [generate(model, p, CONTEXT - 13, temperature=0)[0] for p in prompts]
+
+
+def test_long_prompt_and_long_generation_slide_without_crashing(model):
+    out = generate(model, _random_prompts([5 * CONTEXT])[0], 4 * CONTEXT, temperature=0.9, top_p=0.9, seed=3)
+    assert len(out) == 1 and len(out[0]) == 4 * CONTEXT and all(0 <= t < 256 for t in out[0])
+
+
+# --- stopping, seeds, arguments ------------------------------------------------------------------------------
+
+def test_each_row_stops_at_eos_which_is_not_returned(model):
+    prompts = _random_prompts([3, 8])
+    free = generate(model, prompts, 20, temperature=0)
+    eos = free[0][5]
+    stop = free[0].index(eos)
+    out = generate(model, prompts, 20, temperature=0, eos_id=eos)
+    assert out[0] == free[0][:stop]
+    assert out[1] == (free[1][:free[1].index(eos)] if eos in free[1] else free[1])
+
+
+def test_stream_ends_when_every_row_stopped(model):
+    prompt = _random_prompts([3])[0]
+    first = generate(model, prompt, 1, temperature=0)[0][0]
+    steps = list(stream(model, prompt, 50, temperature=0, eos_id=first))
+    assert steps == [[None]]
+
+
+def test_seed_makes_sampling_reproducible(model):
+    prompts = _random_prompts([2, 5])
+    options = dict(temperature=1.0, top_k=100, top_p=0.95)
+    a = generate(model, prompts, 30, seed=7, **options)
+    assert a == generate(model, prompts, 30, seed=7, **options)
+    assert a != generate(model, prompts, 30, seed=8, **options)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model):
+    prompt = _random_prompts([4])[0]
+    greedy = generate(model, prompt, 20, temperature=0)
+    assert generate(model, prompt, 20, top_k=1, seed=0) == greedy
+    assert generate(model, prompt, 20, top_p=1e-6, seed=0) == greedy
+
+
+def test_zero_new_tokens(model):
+    assert generate(model, [[1], [2, 3]], 0) == [[], []]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(prompt_ids=[]), "prompt_ids is empty"),
+    (dict(prompt_ids=[[1], []]), "prompt 1 is empty"),
+    (dict(prompt_ids=[[1, 2], [3, 256]]), r"prompt 1, position 1: token id 256 is outside the vocabulary \[0, 256\)"),
+    (dict(prompt_ids=[-1]), "prompt 0, position 0: token id -1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
+])
+def test_bad_arguments_are_clear_errors_at_call_time(model, kwargs, message):
+    arguments = dict(prompt_ids=[1, 2], max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError, match=message):
+        stream(model, **arguments)  # raises before the first step is requested
+
+
+# --- the sampling filters against simple references ----------------------------------------------------------
+
+def _reference_top_p(probs: list[float], p: float) -> set[int]:
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])  # stable: ties keep the lower id first
+    kept, mass = set(), 0.0
+    for i in order:
+        if mass >= p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(0, 16), min_size=1, max_size=12).filter(lambda c: sum(c) > 0),
+       p_num=st.integers(1, 64))
+def test_top_p_filter_matches_reference_on_exact_boundaries(counts, p_num):
+    # Dyadic probabilities and thresholds: every cumulative sum is exact, so "mass reaches p" is tested at the
+    # exact boundary, with ties among equal probabilities.
+    scale = 1 << (sum(counts) - 1).bit_length()
+    probs = [c / scale for c in counts] + [1 - sum(counts) / scale]
+    p = p_num / 64
+    kept = top_p_filter(torch.tensor(probs), p).nonzero().flatten().tolist()
+    assert set(kept) == {i for i in _reference_top_p(probs, p) if probs[i] > 0}
+
+
+def test_top_p_boundary_examples():
+    probs = torch.tensor([0.125, 0.5, 0.25, 0.125])
+    assert top_p_filter(probs, 0.5).tolist() == [0, 0.5, 0, 0]  # the top token alone reaches 0.5
+    assert top_p_filter(probs, 0.5 + 1e-6).tolist() == [0, 0.5, 0.25, 0]
+    assert top_p_filter(probs, 0.875).tolist() == [0.125, 0.5, 0.25, 0]  # tie at the boundary: lower id
+    assert top_p_filter(probs, 1.0).tolist() == probs.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=st.lists(st.integers(-4, 4), min_size=1, max_size=10), k=st.integers(1, 12))
+def test_top_k_filter_matches_reference_with_ties(logits, k):
+    kth = sorted(logits, reverse=True)[min(k, len(logits)) - 1]
+    expected = [x if x >= kth else float("-inf") for x in logits]
+    assert top_k_filter(torch.tensor(logits, dtype=torch.float32), k).tolist() == expected
+
+
+def test_sample_next_only_draws_from_the_filtered_set():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).expand(4000, -1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, top_k=2, generator=gen).tolist()) == {0, 1}
+    assert set(sample_next(logits, top_p=0.65, generator=gen).tolist()) == {0, 1}
+    draws = sample_next(logits, generator=gen)
+    frequencies = torch.bincount(draws, minlength=4) / draws.numel()
+    torch.testing.assert_close(frequencies, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.03, rtol=0)
+    cold = sample_next(logits, temperature=0.05, generator=gen)
+    assert (cold == 0).float().mean() > 0.99
