@@ -1,0 +1,105 @@
+"""`scratchlm train` (a run from a TOML config) and `scratchlm eval` (loss and perplexity of a checkpoint).
+
+The flags here are only the handful people change per invocation; everything else is a config field reached
+with ``--set section.key=value``. ``--device``, ``--compile`` and ``--run-dir`` are shorthands that become
+``--set`` overrides, so there is exactly one override path (config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+TRAIN_EPILOG = """examples:
+  scratchlm train --config configs/tiny.toml --set data.train_path=train.tok --set data.val_path=valid.tok
+  scratchlm train --config configs/tinystories-cpu.toml --set optim.lr=3e-3 --run-dir runs/lr3e-3
+  scratchlm train --run-dir runs/lr3e-3 --resume          # continue from the newest valid checkpoint
+exit status: 0 finished, 1 diverged or bad input, 130 interrupted (a checkpoint was saved)."""
+
+EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train a model from a TOML config (resumable)",
+                                  description="Train a TransformerLM; writes checkpoints, metrics.jsonl, curves.png "
+                                              "and the resolved config.toml to the run directory.",
+                                  epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", type=Path, help="TOML config (default with --resume: RUN_DIR/config.toml)")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                       help="override a config field, e.g. optim.lr=3e-3 (repeatable)")
+    train.add_argument("--resume", action="store_true", help="continue from the run's newest valid checkpoint")
+    train.add_argument("--device", help="shorthand for --set train.device=D (auto, cpu, cuda, cuda:N, mps)")
+    train.add_argument("--compile", action="store_true", help="shorthand for --set train.compile=true")
+    train.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
+    train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    train.set_defaults(func=run_train)
+
+    evaluate = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a token file",
+                                     description="Evaluate a checkpoint (or a run's newest valid one) on any token "
+                                                 "file written by `scratchlm data encode`.")
+    evaluate.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    evaluate.add_argument("--data", required=True, type=Path, help="token file to evaluate on")
+    evaluate.add_argument("--batches", type=int, help="evaluate only the first N batches (default: whole file)")
+    evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
+    evaluate.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
+    evaluate.set_defaults(func=run_eval)
+
+
+def train_overrides(args: argparse.Namespace) -> list[str]:
+    """The --set list with the shorthand flags appended (they win over earlier --set of the same key)."""
+    overrides = list(args.overrides)
+    if args.device:
+        overrides.append(f"train.device={args.device}")
+    if args.compile:
+        overrides.append("train.compile=true")
+    if args.run_dir:
+        overrides.append(f"train.run_dir={args.run_dir}")
+    return overrides
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from scratchlm.cli import UserError
+    from scratchlm.config import load_config
+    from scratchlm.train.trainer import CONFIG_FILE, train
+
+    config_path = args.config
+    if config_path is None:
+        if not (args.resume and args.run_dir):
+            raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
+        config_path = Path(args.run_dir) / CONFIG_FILE
+    config = load_config(config_path, train_overrides(args))
+    result = train(config, resume=args.resume, quiet=args.quiet)
+    if result.status != "finished":
+        print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
+    elif not args.quiet:
+        val = f", best val loss {result.best_val_loss:.4f}" if result.best_val_loss is not None else ""
+        print(f"finished {result.final_step} steps: train loss {result.train_loss:.4f}{val} -> {result.run_dir}",
+              file=sys.stderr)
+    return EXIT_CODES[result.status]
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from scratchlm.cli import UserError
+    from scratchlm.data.token_file import open_token_file
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.loss import perplexity
+    from scratchlm.train.trainer import evaluate, select_device
+
+    if args.batch_size < 1 or (args.batches is not None and args.batches < 1):
+        raise UserError("--batch-size and --batches must be positive")
+    device = select_device(args.device)
+    model, config = load_for_inference(args.checkpoint, device=device)
+    model.check_inputs = False  # the token file is checked against the vocabulary below
+    tokens = open_token_file(args.data, vocab_size=config.model.vocab_size).tokens
+    if len(tokens) < config.model.context_length + 1:
+        raise UserError(f"{args.data} holds {len(tokens)} tokens, fewer than context_length + 1 = "
+                        f"{config.model.context_length + 1}")
+    config = config.with_overrides([f"data.batch_size={args.batch_size}", "train.grad_accum_steps=1",
+                                    "train.dtype=fp32"])
+    with torch.inference_mode():
+        loss = evaluate(model, tokens, config, device, max_batches=args.batches)
+    print(f"loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({args.data})")
+    return 0
