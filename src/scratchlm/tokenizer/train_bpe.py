@@ -24,7 +24,7 @@ merge in creation order. ``vocab_size`` counts all of them.
 from __future__ import annotations
 
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from heapq import heapify, heappop, heappush, heapreplace
 
@@ -85,14 +85,11 @@ def train_bpe_from_counts(
 
 def _count_pairs(words: list[tuple[int, ...]], counts: list[int]) -> tuple[dict, dict]:
     pair_counts: dict[tuple[int, int], int] = {}
-    where: dict[tuple[int, int], set[int]] = {}
+    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
     for index, (word, count) in enumerate(zip(words, counts)):
         for pair in zip(word, word[1:]):
             pair_counts[pair] = pair_counts.get(pair, 0) + count
-            if pair in where:
-                where[pair].add(index)
-            else:
-                where[pair] = {index}
+            where[pair].add(index)
     return pair_counts, where
 
 
@@ -111,46 +108,78 @@ def _pop_best(heap: list, pair_counts: dict) -> tuple[int, int] | None:
     return None
 
 
-def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> dict[tuple[int, int], int]:
-    """Rewrite the words holding `pair`; update pair counts and the index; return the pairs that grew."""
+def _occurrences(word: tuple[int, ...], a: int, b: int) -> list[int]:
+    """Start positions of the pair (a, b) in `word`, non-overlapping, left to right (tuple.index runs in C)."""
+    found = []
+    remaining = word.count(a)
+    last = len(word) - 1
+    step = 2 if a == b else 1  # an occurrence of (a, a) uses up two of the counted a's
+    i = 0
+    while remaining > 0 and i < last:
+        i = word.index(a, i)
+        if i < last and word[i + 1] == b:
+            found.append(i)
+            i += 2
+            remaining -= step
+        else:
+            i += 1
+            remaining -= 1
+    return found
+
+
+def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> set[tuple[int, int]]:
+    """Rewrite the words holding `pair`, updating pair counts only around each occurrence.
+
+    Around an occurrence at i, the pairs (word[i-1], a) and (b, word[i+2]) lose the word's count and
+    (word[i-1], new) and (new, word[i+2]) gain it; back-to-back occurrences turn (b, a) into (new, new).
+    Pairs that lose never contain `new_id` and pairs that gain always do, so the set of gaining pairs is
+    returned for the heap. The index is lazy: a word stays listed under pairs it lost.
+    """
     a, b = pair
-    delta: dict[tuple[int, int], int] = {}
+    pair_counts.pop(pair, None)
+    gained: set[tuple[int, int]] = set()
+    get_count = pair_counts.get
     for index in where.pop(pair, ()):
         word = words[index]
-        merged = []
-        i, last = 0, len(word) - 1
-        while i <= last:
-            if i < last and word[i] == a and word[i + 1] == b:
-                merged.append(new_id)
-                i += 2
-            else:
-                merged.append(word[i])
-                i += 1
-        if len(merged) == len(word):  # an index entry left by an earlier merge of this word
-            continue
+        end = len(word)
+        if word.count(a) == 1:  # the common case, done without the general scan
+            i = word.index(a)
+            if i + 1 == end or word[i + 1] != b:  # the word lost this pair in an earlier merge
+                continue
+            found = (i,)
+        else:
+            found = _occurrences(word, a, b)
+            if not found:
+                continue
         count = counts[index]
-        for old in zip(word, word[1:]):
-            delta[old] = delta.get(old, 0) - count
-        for new in zip(merged, merged[1:]):
-            delta[new] = delta.get(new, 0) + count
-            if new_id in new:
-                if new in where:
-                    where[new].add(index)
+        merged = word[: found[0]]
+        # (lost, gained) neighbour pairs of each occurrence, then their counts are moved (this is the hot loop).
+        changes = []
+        for k, i in enumerate(found):
+            if i > 0:
+                if k > 0 and found[k - 1] + 2 == i:
+                    changes.append(((b, a), (new_id, new_id)))
                 else:
-                    where[new] = {index}
-        words[index] = tuple(merged)
-    grown = {}
-    for changed, change in delta.items():
-        if change:
-            total = pair_counts.get(changed, 0) + change
-            if total:
-                pair_counts[changed] = total
-            else:
-                del pair_counts[changed]
-                where.pop(changed, None)
-            if change > 0:
-                grown[changed] = total
-    return grown
+                    left = word[i - 1]
+                    changes.append(((left, a), (left, new_id)))
+            following = found[k + 1] if k + 1 < len(found) else end
+            if i + 2 < end and following != i + 2:
+                right = word[i + 2]
+                changes.append(((b, right), (new_id, right)))
+            merged += (new_id,) + word[i + 2 : following]
+        words[index] = merged
+        for lost, new_pair in changes:
+            total = get_count(lost)
+            if total is not None:  # None: (a, a) beside a merged (a, a), i.e. the merged pair, already dropped
+                if total > count:
+                    pair_counts[lost] = total - count
+                else:
+                    del pair_counts[lost]
+                    where.pop(lost, None)
+            pair_counts[new_pair] = get_count(new_pair, 0) + count
+            where[new_pair].add(index)
+            gained.add(new_pair)
+    return gained
 
 
 def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) -> Merges:
@@ -173,8 +202,8 @@ def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) 
         token_id = id_of_bytes.setdefault(token, vocab_id)
         if token_id not in keys:
             keys[token_id] = _descending_key(token)
-        for (a, b), count in _apply_merge(best, token_id, words, counts, where, pair_counts).items():
-            heappush(heap, (-count, keys[a], keys[b], a, b))
+        for a, b in _apply_merge(best, token_id, words, counts, where, pair_counts):
+            heappush(heap, (-pair_counts[a, b], keys[a], keys[b], a, b))
         if bar is not None:
             bar.update(1)
     if bar is not None:
