@@ -1,0 +1,78 @@
+"""``scratchlm tokenizer train``: train a byte-level BPE tokenizer on text files and save it.
+
+Prints what a user wants to know about the run: wall time, peak memory (this process and the largest
+counting worker), the number of merges and the longest tokens learned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from scratchlm.tokenizer.counting import ERROR_POLICIES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("tokenizer", help="train byte-level BPE tokenizers",
+                                   description="Train byte-level BPE tokenizers.")
+    actions = parser.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
+    train = actions.add_parser(
+        "train",
+        help="train a BPE tokenizer on UTF-8 text files",
+        description="Train a byte-level BPE tokenizer (GPT-2 pre-tokenization; ties go to the greater byte "
+        "pair) and save it as DIR/tokenizer.json plus GPT-2 style DIR/vocab.json and DIR/merges.txt.",
+    )
+    train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text file(s)")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="total vocabulary: 256 bytes + special tokens + merges")
+    train.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
+                       help="a special token, e.g. '<|endoftext|>' (repeatable; never merged)")
+    train.add_argument("--out", required=True, metavar="DIR", help="directory to save the tokenizer in")
+    train.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="processes for pre-token counting (default: usable CPUs)")
+    train.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
+                       help="invalid UTF-8: 'strict' stops naming the file and byte offset; 'replace' uses U+FFFD")
+    train.add_argument("--quiet", action="store_true", help="no progress bars or summary")
+    train.set_defaults(func=run_train)
+
+
+def peak_memory_mb() -> tuple[float, float]:
+    """Peak RSS in MB of this process and of its largest finished child (the counting workers)."""
+    import resource
+
+    # ru_maxrss is in kilobytes on Linux and in bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale / 2**20
+    return own, child
+
+
+def describe_longest(vocab: dict[int, bytes], first_learned_id: int, count: int = 5) -> str:
+    """The `count` longest learned tokens (special tokens and single bytes left out), as id:'text'."""
+    learned = [(token_id, token) for token_id, token in vocab.items() if token_id >= first_learned_id]
+    longest = sorted(learned, key=lambda item: (-len(item[1]), item[0]))[:count]
+    return ", ".join(f"{token_id}:{token.decode('utf-8', errors='replace')!r}" for token_id, token in longest)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.tokenizer.train_bpe import train_bpe
+
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    show_progress = not args.quiet and sys.stderr.isatty()
+    start = time.perf_counter()
+    vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
+                              progress=show_progress, errors=args.errors)
+    seconds = time.perf_counter() - start
+    out = Tokenizer(vocab, merges, args.special_token).save(args.out)
+    if not args.quiet:
+        own_mb, worker_mb = peak_memory_mb()
+        input_mb = sum(os.path.getsize(path) for path in args.input) / 2**20
+        print(f"trained on {input_mb:.1f} MB in {seconds:.2f} s: {len(merges)} merges, vocab {len(vocab)}")
+        print(f"peak RSS: {own_mb:.0f} MB (main process), {worker_mb:.0f} MB (largest worker)")
+        print(f"longest tokens: {describe_longest(vocab, 256 + len(args.special_token))}")
+        print(f"saved to {out}")
+    return 0
