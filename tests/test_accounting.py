@@ -174,3 +174,52 @@ def test_time_to_train():
         time_to_train(config, 1024, 1e9, peak_tflops=100, mfu=1.5)
     with pytest.raises(ValueError, match="either"):
         time_to_train(config, 1024, 1e9)
+
+
+def test_cli_table_and_json(capsys):
+    argv = ["accounting", "--preset", "gpt2-xl", "--context", "1024", "--batch", "4", "--memory", "80GB",
+            "--tflops", "989", "--mfu", "0.4", "--tokens", "10e9"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "2,127,057,600" in table and "largest batch in 80.00 GB: 2" in table and "days" in table
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"]["total"] == 2_127_057_600
+    assert report["forward_flops"]["total"] == 4 * forward_flops(ModelConfig.preset("gpt2-xl"), 1024).total
+    assert report["max_batch"] == {"memory_bytes": 80 * 10**9, "scratchlm": 2, "cs336": 3}
+    assert report["time_to_train"]["days"] == pytest.approx(3.87, rel=0.01)
+
+
+def test_cli_overrides_change_the_model(capsys):
+    assert main(["accounting", "--preset", "tiny", "--set", "model.num_layers=5", "--set", "model.ffn=silu",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = ModelConfig.preset("tiny", num_layers=5, ffn="silu")
+    assert report["params"]["total"] == count_params(expected).total
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--set", "model.d_model=77"], "divisible"),
+    (["--set", "optim.lr=1"], "only takes model.* overrides"),
+    (["--set", "model.widthh=3"], "widthh"),
+    (["--memory", "80parsecs"], "memory size '80parsecs'"),
+    (["--tokens", "1e9"], "--tflops"),
+    (["--batch", "0"], "positive"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    assert main(["accounting", *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_ops_runs_small_shape(capsys):
+    argv = ["bench", "ops", "--d-model", "32", "--context", "16", "--batch", "2", "--heads", "2", "--repeats", "1"]
+    assert main([*argv, "--json"]) == 0
+    study = json.loads(capsys.readouterr().out)
+    assert [row["op"] for row in study["ours_vs_torch"]][:3] == ["Linear", "RMSNorm", "LayerNorm"]
+    assert sum(row["flop_share"] for row in study["block"]) == pytest.approx(1.0)
+    norms = [row for row in study["block"] if "RMSNorm" in row["op"]]
+    assert all(row["flop_share"] < 0.01 for row in norms)
+    assert {row["ffn"] for row in study["ffn_variants"]} == {"SwiGLU", "ReLU FFN", "GELU FFN", "SiLU FFN"}
+    assert main(["bench", "ops", "--heads", "3"]) == 1

@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from scratchlm.accounting.params_flops import count_params, ffn_matrices, forward_flops
+from scratchlm.accounting.params_flops import count_params, forward_flops
 from scratchlm.model.config import ModelConfig
 
 DTYPES = ("fp32", "bf16")
