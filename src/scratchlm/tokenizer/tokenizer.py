@@ -177,11 +177,15 @@ class Tokenizer:
         return ids
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
-        """Append the ids of text (no special tokens) to out: the hot loop."""
+        """Append the ids of text (no special tokens) to out."""
+        self._encode_pretokens(GPT2_SPLIT_REGEX.findall(text), out)
+
+    def _encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
+        """Append the ids of each pre-token to out: the hot loop."""
         cache = self._cache
         lookup = cache.get
         extend = out.extend
-        for piece in GPT2_SPLIT_REGEX.findall(text):
+        for piece in pretokens:
             ids = lookup(piece)
             if ids is None:
                 ids = self._encode_piece(piece)
@@ -225,7 +229,7 @@ class Tokenizer:
         while pretokens and held_chars < _LOOKAHEAD_CHARS:
             held.append(pretokens.pop())
             held_chars += len(held[-1])
-        self._encode_ordinary("".join(pretokens), ids)
+        self._encode_pretokens(pretokens, ids)  # not re-joined: joining could merge them into new pre-tokens
         return ids, "".join(reversed(held)) + pending
 
     def _partial_special_length(self, buffer: str) -> int:
@@ -253,7 +257,11 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ set-up helpers
     def _add_special_tokens(self) -> dict[str, int]:
-        """Map each special token to its id, appending the ones the vocab lacks after the largest id."""
+        """Map each special token to its id, appending the ones the vocab lacks after the largest id.
+
+        A one-character special token (say "|") also exists as a single byte; its special id is then the
+        entry above the 256 bytes (where trainers put specials), while plain text keeps the byte id.
+        """
         special_ids = {}
         for token in self.special_tokens:
             data = token.encode("utf-8")
@@ -261,7 +269,8 @@ class Tokenizer:
                 new_id = self.vocab_size
                 self.vocab[new_id] = data
                 self._bytes_to_id[data] = new_id
-            special_ids[token] = self._bytes_to_id[data]
+            candidates = [i for i, value in self.vocab.items() if value == data] if len(data) == 1 else []
+            special_ids[token] = min(candidates or [self._bytes_to_id[data]], key=lambda i: (i < 256, i))
         return special_ids
 
 

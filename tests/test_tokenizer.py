@@ -1,0 +1,260 @@
+"""Tokenizer: ids identical to tiktoken's GPT-2 (built offline from the fixture files), streaming equals whole-text
+encoding, round-trips, both file formats, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import require_shared
+from scratchlm.tokenizer import GPT2_SPLIT_PATTERN, Tokenizer
+from scratchlm.tokenizer.reference import reference_encode
+from scratchlm.tokenizer.tokenizer import _merge_by_scan, _merge_with_heap
+
+EOT = "<|endoftext|>"
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's unicode -> byte table, written out independently of scratchlm.tokenizer.io (an oracle)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> Tokenizer:
+    vocab = require_shared("fixtures/gpt2_vocab.json")
+    return Tokenizer.from_files(vocab, require_shared("fixtures/gpt2_merges.txt"), [EOT])
+
+
+@pytest.fixture(scope="module")
+def tik() -> tiktoken.Encoding:
+    decoder = _gpt2_byte_decoder()
+    encoder = json.loads(require_shared("fixtures/gpt2_vocab.json").read_text(encoding="utf-8"))
+    ranks = {bytes(decoder[c] for c in token): rank for token, rank in encoder.items() if token != EOT}
+    return tiktoken.Encoding(name="gpt2-offline", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: encoder[EOT]})
+
+
+ADVERSARIAL = [
+    "", " ", "\n", "\r\n", "\r\n\r\n", "  \n\n  \t\n", " " * 1000, "\n" * 500, "\t \n " * 50,
+    "Hello, world! 😀🎉👨‍👩‍👧‍👦 family", "日本語のテキスト、中文字符。한국어", "e\u0301 n\u0303 a\u0308\u0301\u0327",
+    "x" * 100_000, "ab" * 20_000, "0123456789" * 200, "'s 've 're 'll 'd 'm 't 'S 'LL",
+    f"{EOT}", f"{EOT}{EOT}", f"a{EOT}b", f" {EOT} ", f"\n{EOT}\n", f"<|endoftext|{EOT}|>", "<|endoftext", "|>",
+    "\u00a0\u2003\u3000 nbsp", "\x00\x01\x7f control", "🏳️‍🌈" * 30, "ﬁ ligature ǅ title-case",
+]
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
+def test_matches_tiktoken_on_adversarial_text(gpt2, tik, text):
+    assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
+    assert gpt2.encode_ordinary(text) == tik.encode_ordinary(text)
+    assert gpt2.decode(gpt2.encode(text)) == text
+
+
+@pytest.mark.parametrize("name", ["tinystories_sample.txt", "address.txt", "german.txt", "corpus.en"])
+def test_matches_tiktoken_on_fixture_files(gpt2, tik, name):
+    text = require_shared(f"fixtures/{name}").read_text(encoding="utf-8")
+    ids = gpt2.encode(text)
+    assert ids == tik.encode(text, allowed_special="all")
+    assert gpt2.decode(ids) == text
+    with open(require_shared(f"fixtures/{name}"), encoding="utf-8", newline="") as handle:
+        assert list(gpt2.encode_iterable(handle)) == ids
+
+
+@SETTINGS
+@given(st.text())
+def test_matches_tiktoken_on_any_unicode(gpt2, tik, text):
+    assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
+
+
+PIECES = [" ", "  ", "\n", "\r\n", "\t", "a", "the", " cat", "'s", "'", "ll", "7", "42", "!", "?!", "😀", "👨‍👩‍👧",
+          "日本", "\u0301", "é", EOT, "<|", "endoftext", "|>", "\u00a0"]
+piece_text = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
+
+
+@SETTINGS
+@given(piece_text)
+def test_matches_tiktoken_on_text_built_from_hard_pieces(gpt2, tik, text):
+    ids = gpt2.encode(text)
+    assert ids == tik.encode(text, allowed_special="all")
+    assert gpt2.decode(ids) == text
+
+
+@SETTINGS
+@given(st.one_of(piece_text, st.text(max_size=80)), st.lists(st.integers(0, 200), max_size=8), st.integers(1, 8))
+def test_encode_stream_equals_encode_for_any_chunking(gpt2, text, cuts, chunk_chars):
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    streamed = [i for ids in gpt2.encode_stream(chunks, chunk_chars=chunk_chars) for i in ids]
+    assert streamed == gpt2.encode(text)
+
+
+def test_encode_iterable_is_lazy_and_handles_lines(gpt2):
+    lines = ["Once upon a time   \n", "   there was\n", "\n", "  <|endof", "text|>  \n", "end"]
+    iterator = gpt2.encode_iterable(iter(lines))
+    assert next(iterator) == gpt2.encode("".join(lines))[0]
+    assert list(gpt2.encode_iterable(lines)) == gpt2.encode("".join(lines))
+
+
+def test_overlapping_special_tokens_match_longest_first_also_when_streamed():
+    vocab = {i: bytes([i]) for i in range(256)}
+    specials = ["<|a|>", "<|a|><|b|>", "<|b|>"]
+    tokenizer = Tokenizer(vocab, [], specials)
+    text = "x<|a|><|b|>y<|a|>z<|b|><|a|>"
+    expected = reference_encode(text, vocab, [], specials)
+    assert tokenizer.encode(text) == expected
+    assert tokenizer.encode(text)[1] == tokenizer.special_id("<|a|><|b|>")
+    for cut in range(len(text) + 1):
+        chunks = [text[:cut], text[cut:]]
+        assert [i for ids in tokenizer.encode_stream(chunks, chunk_chars=1) for i in ids] == expected
+
+
+def test_missing_special_tokens_are_appended(gpt2):
+    tokenizer = Tokenizer(gpt2.vocab, gpt2.merges, [EOT, "<|pad|>", "<|sep|>"])
+    assert tokenizer.special_id(EOT) == 50256
+    assert (tokenizer.special_id("<|pad|>"), tokenizer.special_id("<|sep|>")) == (50257, 50258)
+    assert tokenizer.vocab_size == 50259
+    assert tokenizer.encode("a<|sep|>") == [64, 50258]
+    assert tokenizer.decode([50258]) == "<|sep|>"
+    with pytest.raises(ValueError, match="not a special token"):
+        tokenizer.special_id("<|nope|>")
+
+
+def test_agrees_with_reference_encoder_on_a_small_vocab():
+    """A toy vocab with a one-character special token; the reference encoder is the oracle."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(b"a", b"b"), (b"ab", b"c"), (b" ", b"ab"), (b"c", b"c"), (b"cc", b"c")]
+    for left, right in merges:
+        vocab[len(vocab)] = left + right
+    specials = ["|", "<s>"]
+    tokenizer = Tokenizer(vocab, merges, specials)
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "".join(rng.choice(["a", "b", "c", " ", "|", "<s>", "\n", "abc"]) for _ in range(rng.randrange(30)))
+        assert tokenizer.encode(text) == reference_encode(text, tokenizer.vocab, merges, specials)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=300), st.randoms(use_true_random=False))
+def test_heap_merging_equals_scan_merging(symbols, rng):
+    pairs = [(a, b) for a in range(4) for b in range(4)]
+    rng.shuffle(pairs)
+    ranks, next_id = {}, 4
+    for rank, pair in enumerate(pairs[:10]):
+        ranks[pair] = (rank, next_id)
+        for other in range(4):  # merged tokens merge further, in later ranks
+            ranks.setdefault((next_id, other), (100 + rank * 4 + other, 1000 + next_id * 4 + other))
+        next_id += 1
+    assert _merge_with_heap(list(symbols), ranks) == _merge_by_scan(list(symbols), ranks)
+
+
+def test_decode_replaces_malformed_utf8_and_names_bad_ids(gpt2):
+    emoji = gpt2.encode("😀")
+    assert len(emoji) > 1  # a 4-byte character split across tokens
+    assert gpt2.decode(emoji[:1]) == "\ufffd"
+    assert gpt2.decode_bytes(emoji[:1]) == gpt2.vocab[emoji[0]]
+    with pytest.raises(ValueError, match=r"id 50257 at position 2"):
+        gpt2.decode([1, 2, 50257])
+    with pytest.raises(ValueError, match=r"id -1 at position 0"):
+        gpt2.decode([-1])
+    assert gpt2.decode(iter(gpt2.encode("generator input"))) == "generator input"
+
+
+def test_lone_surrogates_are_refused_with_position(gpt2):
+    with pytest.raises(ValueError, match=r"position 6 is a lone surrogate"):
+        gpt2.encode("hello \ud800 world")
+    with pytest.raises(ValueError, match=r"position 6 is a lone surrogate"):
+        list(gpt2.encode_iterable(["hel", "lo \ud83d!"]))
+    with pytest.raises(ValueError, match=r"position 300003 is a lone surrogate"):
+        list(gpt2.encode_iterable(["abc " * 75_000, "xyz\udfff"]))
+
+
+def test_save_load_round_trips_both_formats(gpt2, tmp_path):
+    tokenizer = Tokenizer(gpt2.vocab, gpt2.merges, [EOT, "<|pad|>"])
+    tokenizer.save(tmp_path)
+    loaded = Tokenizer.load(tmp_path)
+    assert (loaded.vocab, loaded.merges, loaded.special_tokens) == (tokenizer.vocab, tokenizer.merges,
+                                                                       tokenizer.special_tokens)
+    assert loaded.hash == tokenizer.hash
+    from_scratchlm = Tokenizer.from_files(tmp_path / "tokenizer.json")
+    assert from_scratchlm.hash == tokenizer.hash
+    from_gpt2 = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt", [EOT, "<|pad|>"])
+    assert from_gpt2.hash == tokenizer.hash
+    (tmp_path / "tokenizer.json").unlink()
+    assert Tokenizer.load(tmp_path).vocab == tokenizer.vocab  # GPT-2 files alone; no special-token list
+
+
+def test_gpt2_format_round_trips_every_byte(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(b" ", b"\n"), (b"\xff", b"\x00"), (b" \n", b"\xff\x00")]
+    for left, right in merges:
+        vocab[len(vocab)] = left + right
+    Tokenizer(vocab, merges, ["<|end of text|>"]).save(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    loaded = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    assert loaded.vocab == {**vocab, 259: b"<|end of text|>"}
+    assert loaded.merges == merges
+
+
+def test_hash_depends_on_special_tokens(gpt2):
+    assert len(gpt2.hash) == 64
+    assert Tokenizer(gpt2.vocab, gpt2.merges, [EOT]).hash == gpt2.hash
+    assert Tokenizer(gpt2.vocab, gpt2.merges, []).hash != gpt2.hash
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("tokenizer.json", '{"format_version": 99, "vocab": {}, "merges": [], "special_tokens": []}',
+     "unsupported tokenizer format_version 99"),
+    ("tokenizer.json", '{"format_version": 1,\n "vocab": {"0": "zz"}, "merges": [], "special_tokens": []}',
+     "vocab entry '0'"),
+    ("tokenizer.json", '{"format_version": 1,\n "vocab": {\n', "tokenizer.json:3: malformed JSON"),
+    ("tokenizer.json", '{"format_version": 1, "vocab": {}, "merges": [["00"]], "special_tokens": []}',
+     "merge #0"),
+    ("tokenizer.json", '[1, 2]', "expected a JSON object"),
+])
+def test_malformed_scratchlm_files_are_refused(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("vocab_text, merges_text, message", [
+    ('{"a": 0, "b": "1"}', "", r"token 'b' has id '1'"),
+    ('{"a": 0, "b": 0}', "", "id 0 is given to both"),
+    ('{"a": 0, "\u2603": 1}', "", "not in GPT-2's byte table"),
+    ('{"a": 0}', "#version: 0.2\na b\nab c d\n", r"merges.txt:3: expected two tokens"),
+    ('{"a": 0}', "#version: 0.2\n\u2603 b\n", r"merges.txt:2: character"),
+])
+def test_malformed_gpt2_files_are_refused(tmp_path, vocab_text, merges_text, message):
+    (tmp_path / "vocab.json").write_text(vocab_text, encoding="utf-8")
+    (tmp_path / "merges.txt").write_text(merges_text, encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+
+
+def test_inconsistent_vocab_and_merges_are_refused():
+    vocab = {i: bytes([i]) for i in range(256)}
+    with pytest.raises(ValueError, match=r"merge #0 \(b'a', b'b'\) uses or makes b'ab'"):
+        Tokenizer(vocab, [(b"a", b"b")])
+    with pytest.raises(ValueError, match="lacks 1 of the 256 single-byte tokens"):
+        Tokenizer({i: bytes([i]) for i in range(255)}, [])
+    with pytest.raises(ValueError, match="given more than once"):
+        Tokenizer(vocab, [], ["<s>", "<s>"])
+    with pytest.raises(ValueError, match="empty"):
+        Tokenizer(vocab, [], [""])
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenizer.load(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        Tokenizer.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="vocab.json does not exist"):
+        Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
