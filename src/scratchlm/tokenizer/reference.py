@@ -83,8 +83,8 @@ def reference_train_from_counts(
 def reference_train_bpe(
     input_path: str | os.PathLike, vocab_size: int, special_tokens: list[str]
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
-    """Train on one UTF-8 file, read whole (small inputs only)."""
-    text = Path(input_path).read_text(encoding="utf-8")
+    """Train on one UTF-8 file, read whole (small inputs only; bytes as stored, no newline translation)."""
+    text = Path(input_path).read_bytes().decode("utf-8")
     return reference_train_from_counts(reference_pretoken_counts(text, special_tokens), vocab_size, special_tokens)
 
 
