@@ -9,13 +9,12 @@ matmul weights that autocast caches for the duration of the forward pass (2 B pe
 Activations are counted per sequence of T tokens in elements, by two models (see `activation_elements`):
 - ``cs336``: the CS336 assignment-1 accounting exercise: one tensor per listed op, per layer
   16·T·d + 2·h·T² (scores and softmax probabilities per head), plus T·d (final norm) + T·V (logits) + T (loss).
-- ``scratchlm``: what OUR implementation really saves for backward (read from the code and checked with
-  ``torch.autograd.graph.saved_tensors_hooks`` in the tests); it also holds the SwiGLU gate and the
-  float32 normalization internals, so it is larger and gives a smaller max batch.
-Activation bytes: 4 per element in fp32. Under bf16 autocast the matmul outputs are bf16 (2 B) while the
-normalization, softmax and loss internals run in float32; we charge 2 B for the per-layer d-sized and
-d_ff-sized tensors, 4 B for the T² attention tensors and the logits/loss (a documented approximation: the
-tests check the fp32 model only).
+- ``scratchlm`` (default): what OUR implementation really keeps for backward, read from the code and checked
+  exactly with ``torch.autograd.graph.saved_tensors_hooks`` in the tests. It also keeps the SwiGLU gate
+  tensors, the float32 norm internals and the loss's shifted logits, plus a few batch-independent tensors
+  (`step_constant_bytes`) and the logits gradient that exists before backward frees anything.
+Activation bytes: 4 per element in fp32. Under bf16 autocast we charge 2 B for the matmul-side tensors and 4 B
+for the norm internals and the loss (they run in float32) - an approximation: the tests check fp32 only.
 """
 
 from __future__ import annotations
