@@ -118,12 +118,13 @@ class BatchSampler:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"BatchSampler: unsupported sampler state version {state.get('version')!r} "
                              f"(expected {STATE_VERSION})")
-        for key in ("seed", "rank", "world_size", "batch_size", "context_length", "num_tokens"):
+        for key in ("rank", "world_size", "batch_size", "context_length", "num_tokens"):
             mine = len(self.tokens) if key == "num_tokens" else getattr(self, key)
             if state.get(key) != mine:
                 raise ValueError(f"BatchSampler: cannot resume, saved {key}={state.get(key)!r} but this run has "
                                  f"{key}={mine!r}")
         self._rng.bit_generator.state = state["bit_generator"]
+        self.seed = state["seed"]  # the stream continues from the saved state, whatever seed this run was given
         self.batches_drawn = int(state["batches_drawn"])
 
 

@@ -1,0 +1,412 @@
+"""Checkpoints: the CS336 single-file form, and the trainer's atomic, verifiable, resumable checkpoints.
+
+CS336 form: ``save_checkpoint`` / ``load_checkpoint`` put model + optimizer state dicts and the iteration in one
+``torch.save`` file (a path or a binary file object), as the assignment specifies.
+
+Trainer form (``CheckpointManager``), one directory per step, no pickle anywhere::
+
+    RUN/checkpoints/step_0000100/
+      model.safetensors      weights of the unwrapped module; tied tensors stored once (aliases in metadata)
+      optimizer.safetensors  every tensor of the optimizer state, keyed "{param index}.{name}"
+      optimizer.json         the rest of the optimizer state: param_groups and non-tensor per-param values
+      config.json            the resolved RunConfig as a dict
+      rng.json               python, numpy, torch (and cuda) RNG states
+      trainer.json           step, val_loss, sampler state, the trainer's extra running values
+      meta.json              format_version, scratchlm version, step, val_loss, sha256 + size of every file
+    RUN/checkpoints/best.json  {"step", "val_loss", "name"} of the lowest-val_loss checkpoint kept
+
+Atomicity: everything is written into a hidden temp directory beside the final one, each file fsynced,
+``meta.json`` last (its presence with matching checksums is the completeness marker), then the directory is
+renamed into place and the parent fsynced. A crash or a full disk mid-save leaves at worst a ``.tmp-*``
+directory (removed by the next save) and never touches the previous checkpoints. ``latest_valid`` re-hashes
+files, so a truncated or bit-flipped checkpoint is skipped with a warning naming it and the bad file.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import scratchlm
+from scratchlm.cli import UserError
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+BEST_FILE = "best.json"
+STEP_PREFIX = "step_"
+
+
+class CheckpointError(UserError, OSError):
+    """A checkpoint could not be written (disk full, permissions): the previous checkpoints are intact."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped because it is incomplete or corrupt."""
+
+
+# ---- CS336 single-file form -------------------------------------------------------------------------------
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int,
+                    out: str | os.PathLike | IO[bytes]) -> None:
+    """Write model and optimizer state and the iteration number to ``out`` (path or binary file object)."""
+    torch.save({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "iteration": int(iteration)}, out)
+
+
+def load_checkpoint(src: str | os.PathLike | IO[bytes], model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore model and optimizer from ``src`` written by ``save_checkpoint``; return the saved iteration."""
+    state = torch.load(src, map_location="cpu", weights_only=True)
+    load_model_state(unwrap(model), state["model"], where=str(getattr(src, "name", src)))
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["iteration"])
+
+
+# ---- helpers shared by both forms ---------------------------------------------------------------------------
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP/FSDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """``model.load_state_dict(state)`` after checking names and shapes, with errors naming the tensor."""
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {where} does not fit this model: missing tensors {missing[:5]}, "
+                         f"unexpected tensors {unexpected[:5]}")
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint {where} does not fit this model: parameter {name!r} has shape "
+                             f"{tuple(state[name].shape)} in the checkpoint but {tuple(tensor.shape)} in the model")
+    model.load_state_dict(state)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """JSON-able RNG states of python ``random``, numpy's global generator, torch CPU and every CUDA device."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``; CUDA states are restored only when CUDA is available here."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        torch.cuda.set_rng_state_all(cuda_states[:torch.cuda.device_count()])
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """CPU state dict with shared tensors stored once: (tensors, {alias name: stored name})."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in unwrap(model).state_dict().items():
+        view = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        if view in seen:
+            aliases[name] = seen[view]
+            continue
+        seen[view] = name
+        # .clone() for views of a larger storage: safetensors refuses tensors that share memory.
+        tensors[name] = tensor.detach().cpu().contiguous().clone()
+    return tensors, aliases
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read model.safetensors back into a full state dict (aliases filled in)."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    tensors = load_file(str(path), device="cpu")
+    for alias, stored in json.loads(metadata.get("aliases", "{}")).items():
+        tensors[alias] = tensors[stored]
+    return tensors
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into safetensors-able tensors and a JSON-able remainder."""
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, param_state in state_dict["state"].items():
+        for name, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_state_from_parts(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = tensor
+    for index, values in rest["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    # JSON turned tuples (betas) into lists; optimizers expect the tuples they were built with.
+    groups = [{k: v if k == "params" or not isinstance(v, list) else tuple(v) for k, v in group.items()}
+              for group in rest["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# ---- files: fsync'd writes, checksums ------------------------------------------------------------------------
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_json(path: Path, value: Any) -> None:
+    _write_bytes(path, json.dumps(value, indent=1, default=os.fspath).encode("utf-8"))
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename itself durable
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint directory is complete and intact, else a sentence saying what is wrong."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        return f"{META_FILE} is missing (the save did not finish)"
+    try:
+        meta = _read_json(meta_path)
+        files = meta["files"]
+        version = meta["format_version"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{META_FILE} is unreadable ({error!r})"
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        return f"format_version {version!r} is not supported (this scratchlm reads up to {FORMAT_VERSION})"
+    for name, info in files.items():
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, expected {info['bytes']} (truncated?)"
+        if _sha256(file) != info["sha256"]:
+            return f"{name} fails its sha256 checksum (corrupt)"
+    return None
+
+
+# ---- the trainer's checkpoints -----------------------------------------------------------------------------
+
+class CheckpointManager:
+    """Atomic step checkpoints in RUN/checkpoints, keeping the newest ``keep_last`` plus the best by val_loss."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.run_dir = Path(run_dir)
+        self.directory = self.run_dir / "checkpoints"
+        self.keep_last = keep_last
+
+    def checkpoints(self) -> list[Path]:
+        """Step directories, oldest first (complete or not)."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir()
+                 if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *, config: dict,
+             sampler_state: dict, extra: dict | None = None, val_loss: float | None = None) -> Path:
+        """Write step ``step`` atomically; on failure raise CheckpointError and leave earlier ones intact."""
+        final = self.directory / f"{STEP_PREFIX}{step:07d}"
+        self._prepare_directory()
+        temp = self.directory / f".tmp-{final.name}-{os.getpid()}"
+        try:
+            temp.mkdir()
+            self._write_files(temp, step, model, optimizer, config, sampler_state, extra, val_loss)
+            _fsync_dir(temp)
+            _replace_dir(temp, final)
+            _fsync_dir(self.directory)
+        except OSError as error:
+            previous = self.checkpoints()
+            kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(error.errno, f"could not write checkpoint {final}: "
+                                  f"{error.strerror or error}; {kept}") from error
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+        self._update_best(final, step, val_loss)
+        self._prune()
+        return final
+
+    def _prepare_directory(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(error.errno, f"run directory {self.run_dir} is not writable: "
+                                  f"{error.strerror or error}") from error
+        if not os.access(self.directory, os.W_OK):
+            raise CheckpointError(errno.EACCES, f"run directory {self.run_dir} is not writable: "
+                                  f"cannot write {self.directory}")
+        for leftover in self.directory.glob(".tmp-*"):  # a save that crashed before its rename
+            original = self.directory / leftover.name.removeprefix(".tmp-old-").rsplit("-", 1)[0]
+            if leftover.name.startswith(".tmp-old-") and not original.exists():
+                os.rename(leftover, original)  # crashed between the two renames of _replace_dir: put it back
+            else:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    def _write_files(self, temp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     config: dict, sampler_state: dict, extra: dict | None, val_loss: float | None) -> None:
+        tensors, aliases = model_tensors(model)
+        _save_tensors(temp / "model.safetensors", tensors, {"aliases": json.dumps(aliases)})
+        optimizer_tensors, optimizer_rest = optimizer_parts(optimizer)
+        _save_tensors(temp / "optimizer.safetensors", optimizer_tensors)
+        _write_json(temp / "optimizer.json", optimizer_rest)
+        _write_json(temp / "config.json", config)
+        _write_json(temp / "rng.json", capture_rng_state())
+        _write_json(temp / "trainer.json", {"step": step, "val_loss": val_loss, "sampler_state": sampler_state,
+                                            "extra": extra})
+        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(temp.iterdir())}
+        _write_json(temp / META_FILE, {"format_version": FORMAT_VERSION, "scratchlm_version": scratchlm.__version__,
+                                       "step": step, "val_loss": val_loss, "files": files})  # written last
+
+    def _update_best(self, path: Path, step: int, val_loss: float | None) -> None:
+        if val_loss is None or not np.isfinite(val_loss):
+            return
+        best = self.best()
+        if best is not None and _read_json(self.directory / BEST_FILE)["val_loss"] <= val_loss:
+            return
+        temp = self.directory / f".tmp-{BEST_FILE}"
+        _write_json(temp, {"step": step, "val_loss": val_loss, "name": path.name})
+        os.replace(temp, self.directory / BEST_FILE)
+        _fsync_dir(self.directory)
+
+    def best(self) -> Path | None:
+        """The checkpoint with the lowest recorded val_loss, if it still exists."""
+        record = self.directory / BEST_FILE
+        if not record.is_file():
+            return None
+        path = self.directory / _read_json(record)["name"]
+        return path if path.is_dir() else None
+
+    def _prune(self) -> None:
+        keep = set(self.checkpoints()[-self.keep_last:])
+        if (best := self.best()) is not None:
+            keep.add(best)
+        for path in self.checkpoints():
+            if path not in keep:
+                shutil.rmtree(path)
+
+    def latest_valid(self) -> Path | None:
+        """The newest checkpoint whose files verify; corrupt or incomplete ones are skipped with a warning."""
+        for path in reversed(self.checkpoints()):
+            problem = verify(path)
+            if problem is None:
+                return path
+            warnings.warn(f"skipping checkpoint {path}: {problem}", CheckpointWarning, stacklevel=2)
+        return None
+
+    def load(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        """Restore weights, optimizer and RNG states; return {"step", "config", "sampler_state", "extra", ...}."""
+        path = Path(path)
+        if (problem := verify(path)) is not None:
+            raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+        load_model_state(unwrap(model), read_model_tensors(path / "model.safetensors"), where=str(path))
+        if optimizer is not None:
+            state = optimizer_state_from_parts(load_file(str(path / "optimizer.safetensors")),
+                                               _read_json(path / "optimizer.json"))
+            try:
+                optimizer.load_state_dict(state)
+            except ValueError as error:
+                raise ValueError(f"checkpoint {path}: its optimizer state does not fit this optimizer: {error}") \
+                    from error
+        restore_rng_state(_read_json(path / "rng.json"))
+        trainer = _read_json(path / "trainer.json")
+        return {"step": trainer["step"], "config": _read_json(path / "config.json"),
+                "sampler_state": trainer["sampler_state"], "extra": trainer["extra"],
+                "val_loss": trainer["val_loss"], "path": path}
+
+
+def _replace_dir(temp: Path, final: Path) -> None:
+    """Rename ``temp`` to ``final``; an existing ``final`` (the same step saved again) is swapped out first."""
+    if not final.exists():
+        os.rename(temp, final)
+        return
+    old = final.with_name(f".tmp-old-{final.name}-{os.getpid()}")
+    os.rename(final, old)
+    os.rename(temp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """(TransformerLM in eval mode, RunConfig) from a run directory (newest valid checkpoint) or a checkpoint."""
+    from scratchlm.config import RunConfig
+    from scratchlm.model import TransformerLM
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run or checkpoint directory at {path}")
+    if not (path / META_FILE).exists():
+        if not (path / "checkpoints").is_dir():
+            raise FileNotFoundError(f"{path} is neither a checkpoint directory (no {META_FILE}) nor a run "
+                                    f"directory (no checkpoints/)")
+        found = CheckpointManager(path).latest_valid()
+        if found is None:
+            raise FileNotFoundError(f"run directory {path} has no valid checkpoint in {path / 'checkpoints'}")
+        path = found
+    elif (problem := verify(path)) is not None:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+    config = RunConfig.from_dict(_read_json(path / "config.json"))
+    model = TransformerLM(config.model, device=device)
+    load_model_state(model, read_model_tensors(path / "model.safetensors"), where=str(path))
+    return model.eval(), config
