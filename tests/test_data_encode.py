@@ -1,0 +1,141 @@
+"""`data encode`: parallel chunked encoding equals whole-file encoding, bad UTF-8 is located, failures leave no
+complete-looking output, and the CLI reports compression."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require_shared
+from scratchlm.cli import main
+from scratchlm.data import encode as encode_module
+from scratchlm.data.encode import _plan_ranges, encode_corpus
+from scratchlm.data.token_file import open_token_file
+from scratchlm.tokenizer import Tokenizer
+
+EOT = "<|endoftext|>"
+# Whitespace runs that span lines, \r\n, specials next to text, emoji and CJK around the newlines chunks cut at.
+TRICKY = ("Hi  \n\n  there\r\n\r\nx\ny 😀\n日本\n" + EOT + "\nOnce\n\n\n   \n" + EOT + EOT + "a'\nll\n!\n?\n") * 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    vocab, merges = require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+    return Tokenizer.from_files(vocab, merges, [EOT]).save(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return Tokenizer.load(tokenizer_dir)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    story = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_bytes((story[:40_000] + TRICKY).encode())
+    second.write_bytes((TRICKY + story[40_000:80_000]).encode())
+    return [first, second]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(encode_module, "MIN_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(encode_module, "CHUNKS_PER_WORKER", 20)
+
+
+def _expected_ids(tokenizer, paths):
+    return [i for path in paths for i in tokenizer.encode(path.read_bytes().decode("utf-8"))]
+
+
+def test_one_and_two_workers_give_identical_files_equal_to_encode(tokenizer, tokenizer_dir, corpus, tmp_path,
+                                                                 small_chunks):
+    assert len(_plan_ranges(corpus, tokenizer, workers=2)) > 20  # many cuts, some inside TRICKY
+    one = encode_corpus(tokenizer_dir, corpus, tmp_path / "one.tok", workers=1)
+    two = encode_corpus(tokenizer, corpus, tmp_path / "two.tok", workers=2)
+    assert (tmp_path / "one.tok").read_bytes() == (tmp_path / "two.tok").read_bytes()
+    opened = open_token_file(tmp_path / "two.tok", vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash)
+    assert opened.tokens.tolist() == _expected_ids(tokenizer, corpus)
+    assert one.num_tokens == two.num_tokens == opened.num_tokens
+    assert two.input_bytes == sum(p.stat().st_size for p in corpus)
+    assert 3 < two.bytes_per_token < 5 and two.workers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "one.tok", "two.tok"]
+
+
+def test_file_without_safe_cuts_is_one_chunk(tokenizer, tmp_path, small_chunks):
+    path = tmp_path / "line.txt"
+    path.write_text("word  " * 3000 + "\n\n  \n" * 2000, encoding="utf-8")
+    assert len(_plan_ranges([path], tokenizer, workers=2)) == 1
+    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=2)
+    assert open_token_file(tmp_path / "o.tok").tokens.tolist() == _expected_ids(tokenizer, [path])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_invalid_utf8_is_located_and_leaves_no_output(tokenizer, corpus, tmp_path, small_chunks, monkeypatch,
+                                                      workers):
+    monkeypatch.setattr(encode_module, "READ_BLOCK", 7)  # blocks cut multi-byte characters (in-process runs)
+    data = corpus[1].read_bytes()
+    offset = len(data) - 5000
+    corpus[1].write_bytes(data[:offset] + b"\xe2\x28\xa1" + data[offset:])
+    with pytest.raises(ValueError, match=rf"b\.txt: invalid UTF-8 at byte offset {offset} .*--errors replace"):
+        encode_corpus(tokenizer, corpus, tmp_path / "out.tok", workers=workers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_replace_policy_matches_python_decode(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(encode_module, "READ_BLOCK", 5)
+    path = tmp_path / "bad.txt"
+    raw = "héllo wörld 😀 ".encode() * 3 + b"\xff\xfe ok \xf0\x9f\x98 cut\n\xc3"
+    path.write_bytes(raw)
+    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=1, errors="replace")
+    expected = tokenizer.encode(raw.decode("utf-8", errors="replace"))
+    assert open_token_file(tmp_path / "o.tok").tokens.tolist() == expected
+
+
+def test_interrupted_encode_keeps_previous_output_and_leaves_nothing(tokenizer, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out.tok"
+    encode_corpus(tokenizer, corpus[:1], out, workers=1)
+    before = out.read_bytes()
+
+    def interrupted_stream(self, chunks, **kwargs):
+        yield self.encode(next(iter(chunks)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "encode_stream", interrupted_stream)
+    with pytest.raises(KeyboardInterrupt):
+        encode_corpus(tokenizer, corpus, out, workers=1)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out.tok"]
+
+
+def test_cli_encodes_and_reports(tokenizer_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "cli.tok"
+    argv = ["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", *map(str, corpus), "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "bytes/token" in printed and "MB/s" in printed and str(out) in printed
+    assert open_token_file(out).num_tokens > 0
+    assert main([*argv, "--quiet", "--workers", "1"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda argv, d: argv.__setitem__(5, str(d / "missing.txt")), "missing.txt does not exist"),
+    (lambda argv, d: argv.__setitem__(3, str(d)), "holds no tokenizer"),
+    (lambda argv, d: argv.__setitem__(7, str(d / "no" / "o.tok")), "folder .* does not exist"),
+])
+def test_cli_bad_input_is_one_clear_line(tokenizer_dir, corpus, tmp_path, capsys, change, message):
+    argv = ["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(corpus[0]), "--out",
+            str(tmp_path / "o.tok"), "--quiet"]
+    change(argv, tmp_path)
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "error:" in error
+    assert __import__("re").search(message, error)
+
+
+def test_cli_rejects_bad_flags(tokenizer_dir, corpus, tmp_path):
+    for extra in (["--workers", "0"], ["--errors", "ignore"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(corpus[0]), "--out",
+                  str(tmp_path / "o.tok"), *extra])
+        assert exit_info.value.code == 2
