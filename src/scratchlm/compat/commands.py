@@ -1,0 +1,215 @@
+"""`scratchlm export hf` and `scratchlm import hf`: trade checkpoints with the Hugging Face ecosystem.
+
+Export writes a folder that `transformers.AutoModelForCausalLM` and `AutoTokenizer` load offline:
+``config.json`` (a LlamaConfig), ``model.safetensors`` (weights mapped by compat/hf.py) and the tokenizer as
+HF ``tokenizers`` wants it: a byte-level BPE model over our vocab/merges written in GPT-2's byte-to-unicode
+alphabet, the GPT-2 pre-tokenizer (the same split regex as ours), and our special tokens as added tokens
+(``tokenizer.json`` + ``tokenizer_config.json``). Import reads a Llama folder of a matching architecture
+(refusing GQA, biases, RoPE scaling with a clear error) into a run directory that `generate` and `eval`
+accept: ``config.toml``, a step-0 checkpoint written by the checkpoint module, and ``tokenizer/`` when the
+folder has a byte-level BPE tokenizer. Weights are read and written only as safetensors (never pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser("export", help="export a checkpoint to another format",
+                                   description="Export a checkpoint to another ecosystem.")
+    export_formats = export.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    hf = export_formats.add_parser("hf", help="Hugging Face transformers folder (Llama)",
+                                   description="Write config.json + model.safetensors + tokenizer files that "
+                                               "transformers' AutoModelForCausalLM / AutoTokenizer load offline.")
+    hf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    hf.add_argument("--out", required=True, type=Path, help="output folder")
+    hf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's data.tokenizer)")
+    hf.set_defaults(func=run_export_hf)
+
+    imp = subparsers.add_parser("import", help="import a checkpoint from another format",
+                                description="Import a model from another ecosystem as a scratchlm run directory.")
+    import_formats = imp.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    hf = import_formats.add_parser("hf", help="Hugging Face Llama folder (safetensors)",
+                                   description="Read a Llama folder (config.json + *.safetensors [+ tokenizer.json]) "
+                                               "of a matching architecture into a run directory.")
+    hf.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
+    hf.add_argument("--out", required=True, type=Path, help="run directory to create")
+    hf.set_defaults(func=run_import_hf)
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    from scratchlm.cli import UserError
+    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.train.checkpoint import load_for_inference
+
+    model, config = load_for_inference(args.checkpoint)
+    tokenizer_dir = args.tokenizer or config.data.tokenizer
+    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
+        raise UserError(f"no tokenizer directory to export (run's data.tokenizer = {config.data.tokenizer!r}); "
+                        f"pass --tokenizer DIR")
+    export_hf(model, Tokenizer.load(tokenizer_dir), args.out)
+    print(f"wrote {args.out}/: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
+    return 0
+
+
+def export_hf(model, tokenizer, out: Path) -> None:
+    """Write `model` (a TransformerLM) and `tokenizer` as a Hugging Face Llama folder."""
+    from safetensors.torch import save_file
+
+    from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+
+    cfg = model.config
+    hf_config = to_hf_llama_config(cfg)  # refuses non-Llama architectures with a clear error
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
+    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    hf_config.bos_token_id = hf_config.eos_token_id = eos_id
+    hf_config.architectures = ["LlamaForCausalLM"]
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(out)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in to_hf_state_dict(model.state_dict(), cfg).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_tokenizer(tokenizer).save_pretrained(out)
+
+
+def hf_tokenizer(tokenizer):
+    """A `transformers.PreTrainedTokenizerFast` that encodes and decodes exactly as our `tokenizer` does."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from scratchlm.tokenizer.io import gpt2_bytes_to_unicode
+
+    table = gpt2_bytes_to_unicode()
+
+    def as_text(token: bytes) -> str:
+        return "".join(table[byte] for byte in token)
+
+    specials = {token: tokenizer.special_id(token) for token in tokenizer.special_tokens}
+    special_ids = set(specials.values())
+    # Specials sit in the BPE vocab under their own text (as GPT-2's vocab.json has <|endoftext|>), so
+    # registering them as added tokens reuses their ids instead of appending new ones.
+    vocab = {as_text(token): token_id for token_id, token in tokenizer.vocab.items() if token_id not in special_ids}
+    vocab.update(specials)
+    merges = [(as_text(left), as_text(right)) for left, right in tokenizer.merges]
+    core = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    for token, token_id in specials.items():
+        if core.token_to_id(token) != token_id:
+            raise ValueError(f"special token {token!r}: id {core.token_to_id(token)} in Hugging Face, {token_id} "
+                             f"in ours")
+    eos = EOS_TOKEN if EOS_TOKEN in specials else None
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, clean_up_tokenization_spaces=False)
+
+
+# ---------------------------------------------------------------------------------------------------- import
+
+def run_import_hf(args: argparse.Namespace) -> int:
+    from scratchlm.cli import UserError
+
+    model_dir, run_dir = args.model, args.out
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
+    if (run_dir / "checkpoints").exists():
+        raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
+    model = read_hf_llama(model_dir)
+    tokenizer = read_hf_tokenizer(model_dir)
+    checkpoint = write_run(model, tokenizer, run_dir)
+    note = "" if tokenizer else f" (no byte-level BPE tokenizer in {model_dir}: pass --tokenizer to generate)"
+    print(f"wrote run directory {run_dir} with checkpoint {checkpoint}{note}")
+    return 0
+
+
+def read_hf_llama(model_dir: Path):
+    """A TransformerLM with the weights of a Hugging Face Llama folder (safetensors only)."""
+    from transformers import AutoConfig
+
+    from scratchlm.compat.hf import from_hf_state_dict, hf_config_to_model_config
+    from scratchlm.model import TransformerLM
+    from scratchlm.train.checkpoint import load_model_state
+
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if hf_config.model_type != "llama":
+        raise ValueError(f"{model_dir}/config.json: model_type {hf_config.model_type!r} is not 'llama'; only "
+                         f"Llama checkpoints of a matching architecture can be imported")
+    try:
+        cfg = hf_config_to_model_config(hf_config)
+    except ValueError as error:
+        raise ValueError(f"{model_dir}/config.json: {error}") from None
+    model = TransformerLM(cfg)
+    load_model_state(model, from_hf_state_dict(_read_safetensors(model_dir), cfg), where=str(model_dir))
+    return model.eval()
+
+
+def _read_safetensors(model_dir: Path) -> dict:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in model_dir.iterdir())
+        raise FileNotFoundError(f"{model_dir} has no model.safetensors (found {found}); only safetensors weights "
+                                f"are read (pickle-based .bin files are refused)")
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(str(model_dir / shard)))
+    return tensors
+
+
+def read_hf_tokenizer(model_dir: Path):
+    """Our Tokenizer from a byte-level BPE `tokenizer.json`, or None when the folder has none we can read."""
+    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    document = json.loads(path.read_text(encoding="utf-8"))
+    model = document.get("model") or {}
+    if model.get("type") != "BPE" or (document.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        return None
+    table = gpt2_unicode_to_bytes()
+    specials = sorted((t for t in document.get("added_tokens", []) if t.get("special")), key=lambda t: t["id"])
+
+    def as_bytes(text: str) -> bytes:
+        try:
+            return bytes(table[char] for char in text)
+        except KeyError as error:
+            raise ValueError(f"{path}: token {text!r} has character {error.args[0]!r} outside GPT-2's byte "
+                             f"alphabet") from None
+
+    vocab = {token_id: as_bytes(text) for text, token_id in model["vocab"].items()}
+    vocab.update({t["id"]: t["content"].encode("utf-8") for t in specials})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    return Tokenizer(vocab, [(as_bytes(a), as_bytes(b)) for a, b in merges], [t["content"] for t in specials])
+
+
+def write_run(model, tokenizer, run_dir: Path) -> Path:
+    """A run directory (config.toml + a step-0 checkpoint [+ tokenizer/]) holding `model`; returns the checkpoint."""
+    from scratchlm.config import DataConfig, RunConfig, TrainConfig
+    from scratchlm.optim.adamw import AdamW
+    from scratchlm.train.checkpoint import CheckpointManager
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = None
+    if tokenizer is not None:
+        tokenizer_dir = run_dir.resolve() / "tokenizer"
+        tokenizer.save(tokenizer_dir)
+    config = RunConfig(model=model.config, data=DataConfig(tokenizer=str(tokenizer_dir) if tokenizer_dir else None),
+                       train=TrainConfig(run_dir=str(run_dir)))
+    config.save_toml(run_dir / "config.toml")
+    optimizer = AdamW(model.parameters())  # fresh: an imported model has no optimizer state to carry
+    return CheckpointManager(run_dir).save(0, model, optimizer, config=config.to_dict(), sampler_state={})

@@ -1,0 +1,184 @@
+"""`scratchlm export hf` / `import hf`: transformers' Auto classes load our export offline with equal logits and ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from scratchlm.cli import main
+from scratchlm.compat.commands import read_hf_tokenizer, write_run
+from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.train_bpe import train_bpe
+from scratchlm.train.checkpoint import load_for_inference
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Once upon a time, there was a little cat named Tom.",
+    "Lily said: \"I don't know!\"<|endoftext|>Then Ben ran  away   quickly.\n\n",
+    "<|endoftext|><|endoftext|>",
+    "naïve café – “quotes” 🐱🐶 日本語 \t tabs\r\nand 123456 numbers'll've",
+    " leading space and trailing spaces   ",
+    "",
+]
+CORPUS = ("Once upon a time there was a little girl named Lily. She liked to play with her cat Tom. "
+          "One day, Tom ran away and Lily was sad. Ben said: \"Don't worry, we'll find him!\" ") * 30
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_one_thread(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained_tokenizer(tmp_path_factory) -> Tokenizer:
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text(f"{CORPUS}<|endoftext|>naïve café 🐱 日本語\n", encoding="utf-8")
+    vocab, merges = train_bpe(corpus, 300, ["<|endoftext|>"])
+    return Tokenizer(vocab, merges, ["<|endoftext|>"])
+
+
+def _run_dir(tmp_path, tokenizer: Tokenizer, **model_overrides) -> tuple[TransformerLM, object]:
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, **model_overrides)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norm gains, so a mapping mistake in them would show
+        for name, param in model.named_parameters():
+            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                param.uniform_(0.5, 1.5)
+    run = tmp_path / "run"
+    write_run(model, tokenizer, run)
+    return model, run
+
+
+def _export(run, out) -> None:
+    assert main(["export", "hf", "--checkpoint", str(run), "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_auto_model_loads_export_offline_with_equal_logits(tmp_path, trained_tokenizer, tied):
+    model, run = _run_dir(tmp_path, trained_tokenizer, tie_embeddings=tied)
+    out = tmp_path / "hf"
+    _export(run, out)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    assert not list(out.glob("*.bin"))  # no pickle
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = torch.randint(0, trained_tokenizer.vocab_size, (3, 32))
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_auto_tokenizer_ids_equal_ours(tmp_path, trained_tokenizer):
+    _, run = _run_dir(tmp_path, trained_tokenizer)
+    _export(run, tmp_path / "hf")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert hf.eos_token == "<|endoftext|>"
+    assert hf.eos_token_id == trained_tokenizer.special_id("<|endoftext|>")
+    for text in TEXTS:
+        ours = trained_tokenizer.encode(text)
+        assert hf(text, add_special_tokens=False)["input_ids"] == ours, text
+        assert hf.decode(ours) == trained_tokenizer.decode(ours)
+
+
+def test_gpt2_tokenizer_export_equals_ours(tmp_path, gpt2_files):
+    vocab_path, merges_path = gpt2_files
+    tokenizer = Tokenizer.from_files(vocab_path, merges_path, ["<|endoftext|>"])
+    from scratchlm.compat.commands import hf_tokenizer
+
+    hf_tokenizer(tokenizer).save_pretrained(tmp_path / "hf")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    for text in TEXTS:
+        assert hf(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text), text
+
+
+def test_import_of_export_round_trips_weights_and_tokenizer(tmp_path, trained_tokenizer):
+    model, run = _run_dir(tmp_path, trained_tokenizer)
+    _export(run, tmp_path / "hf")
+    assert main(["import", "hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    loaded, config = load_for_inference(tmp_path / "imported")
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+    assert Tokenizer.load(config.data.tokenizer).hash == trained_tokenizer.hash
+    assert (tmp_path / "imported" / "config.toml").is_file()
+
+
+def test_import_of_a_transformers_llama(tmp_path, trained_tokenizer):
+    """A Llama saved by transformers itself (not by our export) imports with equal logits."""
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=48,
+                                      rope_theta=500.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    ours, _ = load_for_inference(tmp_path / "run")
+    ids = torch.randint(0, 300, (2, 48))
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def _exported(tmp_path, trained_tokenizer):
+    _, run = _run_dir(tmp_path, trained_tokenizer)
+    _export(run, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_key_value_heads": 2}, "grouped-query attention"),
+    ({"attention_bias": True}, "biases"),
+    ({"model_type": "gpt2"}, "model_type|not 'llama'"),
+])
+def test_import_refuses_other_architectures_clearly(tmp_path, trained_tokenizer, capsys, change, message):
+    folder = _exported(tmp_path, trained_tokenizer)
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run2")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("scratchlm import: error:") and len(err.strip().splitlines()) == 1
+    assert any(word in err for word in message.split("|")), err
+
+
+def test_import_refuses_pickle_weights(tmp_path, trained_tokenizer, capsys):
+    folder = _exported(tmp_path, trained_tokenizer)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run2")]) == 1
+    assert "no model.safetensors" in capsys.readouterr().err
+
+
+def test_import_reads_sharded_safetensors(tmp_path, trained_tokenizer):
+    folder = _exported(tmp_path, trained_tokenizer)
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for shard, part in (("a.safetensors", names[::2]), ("b.safetensors", names[1::2])):
+        save_file({n: tensors[n] for n in part}, folder / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run2")]) == 0
+
+
+def test_export_refuses_non_llama_ablation(tmp_path, trained_tokenizer, capsys):
+    _, run = _run_dir(tmp_path, trained_tokenizer, norm_position="post")
+    assert main(["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 1
+    assert "norm_position='post'" in capsys.readouterr().err
+
+
+def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def test_tokenizer_without_bytelevel_bpe_is_skipped(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}, "pre_tokenizer": None}))
+    assert read_hf_tokenizer(tmp_path) is None
