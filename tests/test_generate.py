@@ -184,3 +184,81 @@ def test_sample_next_only_draws_from_the_filtered_set():
     torch.testing.assert_close(frequencies, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.03, rtol=0)
     cold = sample_next(logits, temperature=0.05, generator=gen)
     assert (cold == 0).float().mean() > 0.99
+
+
+# --- the `scratchlm generate` command ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """A run directory with a byte-level tokenizer (256 bytes + <|endoftext|>) and a tiny model."""
+    from scratchlm.compat.commands import write_run
+    from scratchlm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size)).eval()
+    run = tmp_path_factory.mktemp("gen") / "run"
+    write_run(model, tokenizer, run)
+    return run, model, tokenizer
+
+
+def test_generate_command_prints_prompt_and_greedy_continuation(byte_run, capsys):
+    from scratchlm.cli import main
+
+    run, model, tokenizer = byte_run
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "Once", "--max-new-tokens", "20",
+                 "--temperature", "0"]) == 0
+    expected = generate(model, tokenizer.encode("Once"), 20, temperature=0, eos_id=256)[0]
+    assert capsys.readouterr().out == "Once" + tokenizer.decode(expected) + "\n"
+
+
+def test_generate_command_samples_are_reproducible(byte_run, capsys):
+    from scratchlm.cli import main
+
+    run, _, _ = byte_run
+    argv = ["generate", "--checkpoint", str(run), "--num-samples", "2", "--seed", "3", "--max-new-tokens", "10"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first and first.count("--- sample") == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--checkpoint", "/nonexistent/run"], "/nonexistent/run"),
+    (["--tokenizer", "/nonexistent/tok"], "tokenizer directory /nonexistent/tok not found"),
+    (["--num-samples", "0"], "--num-samples must be at least 1"),
+    (["--top-p", "2"], "top_p must be in"),
+])
+def test_generate_command_errors_are_one_clear_line(byte_run, capsys, argv, message):
+    from scratchlm.cli import main
+
+    run, _, _ = byte_run
+    assert main(["generate", "--checkpoint", str(run), *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_stream_writer_holds_back_partial_utf8_characters():
+    import io
+
+    from scratchlm.generate.commands import write_stream
+    from scratchlm.tokenizer import Tokenizer
+
+    text = "a🐱é日"
+    data = text.encode()
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+
+    class Recorder(io.StringIO):
+        writes: list[str] = []
+
+        def write(self, s):
+            self.writes.append(s)
+            return super().write(s)
+
+    out = Recorder()
+    write_stream("P:", list(data) + [None, 65], tokenizer, out)  # None: the row stopped; 65 must not print
+    assert out.getvalue() == "P:" + text + "\n"
+    assert all("\ufffd" not in w for w in out.writes)  # never a replacement char for a split character
+    out = Recorder()
+    write_stream("", list(data[:-1]), tokenizer, out)  # cut inside the last character: flushed as U+FFFD
+    assert out.getvalue() == "a🐱é\ufffd\n"

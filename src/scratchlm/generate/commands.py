@@ -1,0 +1,94 @@
+"""`scratchlm generate`: sample text from a checkpoint, streamed to the terminal as it is produced.
+
+The model and its config come from `load_for_inference` (a run directory -> its newest valid checkpoint); the
+tokenizer from the run's `data.tokenizer` or `--tokenizer`. Tokens are decoded incrementally: a token can end
+in the middle of a multi-byte UTF-8 character, so an incremental decoder keeps the undecoded trailing bytes
+until the character completes (and flushes any leftover as U+FFFD at the end). With `--num-samples N` the
+samples are drawn one after another (sample i uses seed S + i), each streamed live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+EPILOG = """examples:
+  scratchlm generate --checkpoint runs/demo --prompt "Once upon a time" --max-new-tokens 256
+  scratchlm generate --checkpoint runs/demo --temperature 0 --prompt "Lily saw"       # greedy
+  scratchlm generate --checkpoint runs/demo --num-samples 3 --seed 0 --top-k 50"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="sample text from a checkpoint (streamed)", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text with a trained model: temperature, top-k and nucleus (top-p) sampling, a KV "
+                    "cache, stops at <|endoftext|>. An empty prompt starts a new document (<|endoftext|>).")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="token budget per sample (default: 256)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    parser.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 disables (default: 0.9)")
+    parser.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    parser.add_argument("--num-samples", type=int, default=1, help="how many samples (default: 1)")
+    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's "
+                                                                      "data.tokenizer)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, auto")
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from scratchlm.cli import UserError
+    from scratchlm.generate.sampling import stream
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.trainer import select_device
+
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
+    model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
+    tokenizer = _load_tokenizer(args.tokenizer or config.data.tokenizer, args.checkpoint)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}: "
+                        f"is --tokenizer the one this model was trained with?")
+    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    prompt_ids = tokenizer.encode(args.prompt) if args.prompt else ([eos_id] if eos_id is not None else [])
+    if not prompt_ids:
+        raise UserError("empty --prompt and the tokenizer has no <|endoftext|> to start a document with")
+    for sample in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {sample + 1}/{args.num_samples} ---")
+        steps = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, eos_id=eos_id, seed=None if args.seed is None else args.seed + sample)
+        write_stream(args.prompt, (step[0] for step in steps), tokenizer, sys.stdout)
+    return 0
+
+
+def write_stream(prompt: str, token_ids, tokenizer, out) -> None:
+    """Write the prompt, then each token's text as soon as its UTF-8 characters are complete."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out.write(prompt)
+    out.flush()
+    for token_id in token_ids:
+        if token_id is None:  # the row stopped (end of text)
+            break
+        if text := decoder.decode(tokenizer.decode_bytes([token_id])):
+            out.write(text)
+            out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    out.flush()
+
+
+def _load_tokenizer(directory: str | Path | None, checkpoint: Path):
+    from scratchlm.cli import UserError
+    from scratchlm.tokenizer import Tokenizer
+
+    if directory is None:
+        raise UserError(f"the run at {checkpoint} records no tokenizer (data.tokenizer); pass --tokenizer DIR")
+    if not Path(directory).is_dir():
+        raise UserError(f"tokenizer directory {directory} not found (from the run's data.tokenizer or --tokenizer)")
+    return Tokenizer.load(directory)
