@@ -1,0 +1,161 @@
+"""Encoding speed and memory: scratchlm's Tokenizer vs tiktoken (GPT-2 vocab, single thread), side by side.
+
+1. ``encode`` throughput in one process on the TinyStories and OpenWebText sample texts (interleaved runs).
+   Targets: >= 10 MB/s and a time ratio ours/tiktoken <= 2.0 (i.e. >= 0.5x tiktoken's speed).
+2. ``scratchlm data encode --workers 2`` vs a tiktoken single-thread script on the same files, as whole
+   commands (start-up, loading the tokenizer and writing included). Target: ours at least as fast (ratio <= 1).
+3. ``encode_iterable`` over a >= 100 MB file (TinyStories repeated into a temporary file) read line by line:
+   peak RSS growth over the process's RSS before encoding. Target: < 50 MB.
+
+Both tokenizers are built offline from ``shared/data/fixtures/gpt2_{vocab.json,merges.txt}``.
+Run: ``.venv/bin/python benchmarks/bench_encode.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import harness
+from scratchlm.paths import describe_search, shared_data_file
+from scratchlm.tokenizer import GPT2_SPLIT_PATTERN, Tokenizer
+
+EOT = "<|endoftext|>"
+TEXTS = {"TinyStories": "tinystories/TinyStories-train.txt", "OWT sample": "openwebtext/owt_sample_train.txt"}
+
+
+def shared(relative: str) -> Path:
+    path = shared_data_file(relative)
+    if path is None:
+        sys.exit(f"shared data file {relative!r} not found (looked in: {describe_search()})")
+    return path
+
+
+def offline_tiktoken():
+    """tiktoken's GPT-2 Encoding built from the fixture files (no download)."""
+    import tiktoken
+
+    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
+
+    decoder = gpt2_unicode_to_bytes()
+    encoder = json.loads(shared("fixtures/gpt2_vocab.json").read_text(encoding="utf-8"))
+    ranks = {bytes(decoder[c] for c in token): rank for token, rank in encoder.items() if token != EOT}
+    return tiktoken.Encoding(name="gpt2-offline", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: encoder[EOT]})
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    return Tokenizer.from_files(shared("fixtures/gpt2_vocab.json"), shared("fixtures/gpt2_merges.txt"), [EOT])
+
+
+def bench_in_process(quick: bool) -> list[dict]:
+    ours, rival = gpt2_tokenizer(), offline_tiktoken()
+    summaries = []
+    for name, relative in TEXTS.items():
+        text = shared(relative).read_text(encoding="utf-8")
+        if quick:
+            text = text[:1_000_000]
+        megabytes = len(text.encode("utf-8")) / 1e6
+        assert ours.encode(text) == rival.encode(text, allowed_special="all"), f"ids differ on {name}"
+        results = harness.interleave({"scratchlm encode": lambda t=text: ours.encode(t),
+                                      "tiktoken encode": lambda t=text: rival.encode(t, allowed_special="all")},
+                                     repeats=2 if quick else 5)
+        summary = harness.report(f"encode, one process: {name} ({megabytes:.1f} MB)", results, "scratchlm encode",
+                                 "tiktoken encode", unit_work=megabytes, unit="MB")
+        mb_per_s = megabytes / results["scratchlm encode"].median
+        print(f"scratchlm {mb_per_s:.1f} MB/s (target >= 10), speed vs tiktoken "
+              f"{1 / summary['time_ratio']:.2f}x (target >= 0.5)")
+        summaries.append(summary)
+    return summaries
+
+
+TIKTOKEN_SCRIPT = """
+import sys
+sys.path.insert(0, {bench_dir!r})
+import numpy as np
+from bench_encode import offline_tiktoken
+encoding = offline_tiktoken()
+ids = []
+for path in {inputs!r}:
+    with open(path, encoding="utf-8") as handle:
+        ids.extend(encoding.encode(handle.read(), allowed_special="all"))
+np.asarray(ids, dtype=np.uint16).tofile({out!r})
+"""
+
+
+def bench_data_encode(quick: bool, workdir: Path) -> dict:
+    inputs = [str(shared(relative)) for relative in TEXTS.values()]
+    if quick:
+        inputs = inputs[:1]
+    tokenizer_dir = gpt2_tokenizer().save(workdir / "gpt2")
+    megabytes = sum(Path(p).stat().st_size for p in inputs) / 1e6
+    # encode_corpus is what `scratchlm data encode` runs; calling it directly keeps the CLI's start-up (which
+    # imports every stage) out of the measurement.
+    ours = harness.python_command("from scratchlm.data.encode import encode_corpus\n"
+                                  f"encode_corpus({str(tokenizer_dir)!r}, {inputs!r}, {str(workdir / 'ours.tok')!r}, "
+                                  "workers=2)")
+    rival = harness.python_command(TIKTOKEN_SCRIPT.format(bench_dir=str(Path(__file__).parent), inputs=inputs,
+                                                          out=str(workdir / "tiktoken.bin")))
+    results = harness.interleave_commands({"scratchlm data encode (2 procs)": ours, "tiktoken (1 thread)": rival},
+                                          repeats=1 if quick else 3)
+    return harness.report(f"whole command: encode {len(inputs)} file(s), {megabytes:.1f} MB", results,
+                          "scratchlm data encode (2 procs)", "tiktoken (1 thread)", unit_work=megabytes, unit="MB")
+
+
+# Peak RSS is reset after loading the tokenizer (Linux: clear_refs 5 resets VmHWM), so loading's own peak is
+# not charged to streaming.
+RSS_SCRIPT = """
+import gc
+from pathlib import Path
+from scratchlm.tokenizer import Tokenizer
+def status(key):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
+    return int(line.split()[1]) * 1024
+tokenizer = Tokenizer.load({tokenizer_dir!r})
+gc.collect()
+Path("/proc/self/clear_refs").write_text("5")
+before = status("VmRSS:")
+count = 0
+with open({path!r}, encoding="utf-8") as handle:
+    for _ in tokenizer.encode_iterable(handle):
+        count += 1
+print(count, before, status("VmHWM:"))
+"""
+
+
+def bench_streaming_memory(quick: bool, workdir: Path) -> dict:
+    story = shared(TEXTS["TinyStories"]).read_bytes()
+    target = (20 if quick else 100) * 10**6
+    path = workdir / "repeated.txt"
+    with open(path, "wb") as handle:
+        for _ in range(target // len(story) + 1):
+            handle.write(story)
+    megabytes = path.stat().st_size / 1e6
+    code = RSS_SCRIPT.format(tokenizer_dir=str(workdir / "gpt2"), path=str(path))
+    seconds, _, stdout = harness.run_measured(harness.python_command(code))
+    count, before, peak = (int(x) for x in stdout.split())
+    growth = (peak - before) / 2**20
+    print(f"\n## encode_iterable over a {megabytes:.0f} MB file, line by line")
+    print(f"{count:,} tokens in {seconds:.1f} s ({megabytes / seconds:.1f} MB/s incl. start-up); "
+          f"RSS before {before / 2**20:.0f} MB, peak {peak / 2**20:.0f} MB: growth {growth:.1f} MB (target < 50)")
+    summary = {"title": "encode_iterable RSS growth", "file_mb": megabytes, "rss_growth_mb": growth,
+               "seconds": seconds}
+    print("JSON " + json.dumps(summary))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 MB texts, one data file, a 20 MB streaming file")
+    args = parser.parse_args()
+    bench_in_process(args.quick)
+    with tempfile.TemporaryDirectory(prefix="bench_encode.") as workdir:
+        bench_data_encode(args.quick, Path(workdir))
+        bench_streaming_memory(args.quick, Path(workdir))
+
+
+if __name__ == "__main__":
+    main()
