@@ -145,3 +145,23 @@ def test_cli_reports_bad_grid_as_one_line(tmp_path, capsys):
     assert err.startswith("scratchlm sweep: error: --grid 'optim.lr' must look like") and "\n" not in err
     code = main(["sweep", "--config", str(tmp_path / "missing.toml"), "--grid", "optim.lr=1e-3"])
     assert code == 1 and "config file not found" in capsys.readouterr().err
+
+
+ABLATIONS = {"no-rmsnorm": {"model.norm": ("rmsnorm", "none")},
+             "post-norm": {"model.norm_position": ("pre", "post")},
+             "nope": {"model.position": ("rope", "nope")},
+             "silu-ffn": {"model.ffn": ("swiglu", "silu"), "model.d_ff": (384, 512)},
+             "tied-embeddings": {"model.tie_embeddings": (False, True)}}
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablation_presets_are_small_diffs_of_the_base(name):
+    from scratchlm.config import load_config
+    from scratchlm.experiments.report import config_diff
+    from scratchlm.experiments.runs import flatten
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    base = flatten(load_config(configs / "tinystories-cpu.toml").to_dict())
+    ablated = load_config(configs / "ablations" / f"{name}.toml")
+    assert config_diff(flatten(ablated.to_dict()), base) == ABLATIONS[name]
+    assert ablated.train.run_dir == f"runs/ablation-{name}"
