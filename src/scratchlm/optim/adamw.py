@@ -13,6 +13,12 @@ The operations, their order and their Python-float scalars mirror ``torch.optim.
 per-tensor path and the multi-tensor path (``torch._foreach_*``, one call per (device, dtype) bucket) give
 bit-identical trajectories to it; the tests hold us to that. The learning rate is read from
 ``param_group["lr"]`` at every step, so a schedule just writes that float.
+
+Speed: the multi-tensor path keeps the denominators ``sqrt(v) / sqrt(1 - b2^t) + eps`` in buffers reused
+across steps (one per parameter, not part of the state dict) instead of allocating them each step as
+``torch._foreach_sqrt`` does: fresh allocations of the size of the model are page-faulted in again on every
+step on CPU, and that cost is most of the difference measured in benchmarks/bench_optim.py. Peak memory is
+the same as torch's (it holds that temporary too, during the step).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class AdamW(torch.optim.Optimizer):
         _validate(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
         super().__init__(params, defaults)
+        self._denominators: dict[torch.Tensor, torch.Tensor] = {}  # param -> reusable buffer (foreach path)
 
     def _gather(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], ...]:
         """Params that have gradients, with their grads and state (state created lazily on first use)."""
@@ -77,11 +84,24 @@ class AdamW(torch.optim.Optimizer):
             tensors = self._gather(group)
             if not tensors[0]:
                 continue
-            use_foreach = group["foreach"] is None or group["foreach"]
-            update = _foreach_update if use_foreach else _single_tensor_update
-            update(*tensors, lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
-                   eps=group["eps"], weight_decay=group["weight_decay"])
+            hyper = dict(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            if group["foreach"] is None or group["foreach"]:
+                _foreach_update(*tensors, self._denominator_buffers(tensors[0]), **hyper)
+            else:
+                _single_tensor_update(*tensors, **hyper)
         return loss
+
+    def _denominator_buffers(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One scratch tensor per param, reallocated only if the param changed shape, dtype or device."""
+        buffers = []
+        for param in params:
+            buffer = self._denominators.get(param)
+            if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype \
+                    or buffer.device != param.device:
+                buffer = self._denominators[param] = torch.empty_like(param, memory_format=torch.contiguous_format)
+            buffers.append(buffer)
+        return buffers
 
 
 def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -102,9 +122,12 @@ def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
-                    beta2: float, eps: float, weight_decay: float) -> None:
-    """The same update with one ``torch._foreach_*`` call per op for each (device, dtype) bucket."""
+                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], denominators: list[torch.Tensor], *,
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The same update with one ``torch._foreach_*`` call per op for each (device, dtype) bucket.
+
+    ``denominators`` are scratch tensors shaped like ``params``, overwritten here.
+    """
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for index, param in enumerate(params):
         buckets[(param.device, param.dtype)].append(index)
@@ -122,7 +145,9 @@ def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
         torch._foreach_addcmul_(b_exp_avg_sqs, b_grads, b_grads, 1 - beta2)
         neg_step_sizes = [(lr / (1 - beta1**step)) * -1 for step in step_values]
         bias_correction2_sqrts = [(1 - beta2**step) ** 0.5 for step in step_values]
-        denoms = torch._foreach_sqrt(b_exp_avg_sqs)
+        denoms = [denominators[i] for i in indices]
+        for exp_avg_sq, denom in zip(b_exp_avg_sqs, denoms):
+            torch.sqrt(exp_avg_sq, out=denom)  # no out= form of _foreach_sqrt exists
         torch._foreach_div_(denoms, bias_correction2_sqrts)
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(b_params, b_exp_avgs, denoms, neg_step_sizes)
