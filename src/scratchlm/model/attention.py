@@ -27,14 +27,20 @@ from scratchlm.model.layers import Linear, softmax
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
+    return _attention(Q, K, V, mask, rows_may_be_empty=mask is not None)
+
+
+def _attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None,
+               rows_may_be_empty: bool) -> torch.Tensor:
+    """The core; `rows_may_be_empty=False` (a pure causal mask) skips the fully-masked-row fix-up."""
     # Scaling Q (T·d_k elements) is cheaper than scaling the scores (T·T elements).
     scores = (Q * (1.0 / math.sqrt(Q.shape[-1]))) @ K.transpose(-2, -1)  # (..., T_q, T_k)
-    if mask is None:
-        return softmax(scores, dim=-1) @ V
-    # In place is safe: the matmul's backward needs Q and K, not its output.
-    scores = scores.masked_fill_(~mask, float("-inf"))
-    probs = softmax(scores, dim=-1)  # fully masked rows are NaN here (0/0)...
-    probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # ...and become zeros
+    if mask is not None:
+        # In place is safe: the matmul's backward needs Q and K, not its output.
+        scores = scores.masked_fill_(~mask, float("-inf"))
+    probs = softmax(scores, dim=-1)  # a fully masked row is NaN here (0/0)...
+    if rows_may_be_empty:
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # ...and becomes zeros
     return probs @ V
 
 
@@ -48,16 +54,21 @@ class RotaryPositionalEmbedding(nn.Module):
         self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
         inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.int64).float() / d_k)
         angles = torch.arange(max_seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (S, d_k/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # Tables laid out per element, not per pair, so the rotation is two contiguous multiplies:
+        # out = x ⊙ cos + swap_pairs(x) ⊙ sin, with cos = (c₀, c₀, c₁, c₁, ...), sin = (-s₀, s₀, -s₁, s₁, ...).
+        self.register_buffer("cos", angles.cos().repeat_interleave(2, dim=-1), persistent=False)  # (S, d_k)
+        self.register_buffer("sin", torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2),
+                             persistent=False)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[token_positions].to(x.dtype)  # (..., T, d_k/2)
-        sin = self.sin[token_positions].to(x.dtype)
-        pairs = x.unflatten(-1, (-1, 2))  # (..., T, d_k/2, 2): a view, no copy
-        x_even, x_odd = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-        return rotated.flatten(-2)  # (..., T, d_k)
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        """token_positions None means positions start, start+1, ...: a table slice instead of a gather."""
+        if token_positions is None:
+            T = x.shape[-2]
+            cos, sin = self.cos[start:start + T], self.sin[start:start + T]  # (T, d_k)
+        else:
+            cos, sin = self.cos[token_positions], self.sin[token_positions]  # (..., T, d_k)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x₁, x₀, x₃, x₂, ...)
+        return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
@@ -99,19 +110,20 @@ class MultiHeadSelfAttention(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (3d, d)
         qkv = (x @ w_qkv.t()).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, H, d_k)
-        q, k, v = qkv.movedim(-3, 0).transpose(-3, -2).unbind(0)  # each (B, H, T, d_k)
+        qkv = qkv.movedim(-3, 0).transpose(-3, -2)  # (3, B, H, T, d_k), a view
+        q, k, v = qkv.unbind(0)
         if self.rope is not None:
-            if token_positions is None:
-                token_positions = torch.arange(past, past + T, device=x.device)
-            positions = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (B,1,T)
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            positions = token_positions
+            if positions is not None and positions.dim() > 1:
+                positions = positions.unsqueeze(-2)  # (B, 1, T): broadcast over heads
+            q, k = self.rope(qkv[:2], positions, start=past).unbind(0)  # Q and K rotated in one pass
         if kv_cache is not None:
             k, v = kv_cache.update(layer_index, k, v)  # (B, H, past + T, d_k)
         mask = self._mask(T, past, key_padding, x.device)
         if self.use_fused_sdpa:
             out = self._fused_sdpa(q, k, v, mask, is_causal=key_padding is None and past == 0)
         else:
-            out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, d_k)
+            out = _attention(q, k, v, mask, rows_may_be_empty=key_padding is not None)  # (B, H, T, d_k)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
 
     def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Forward+backward speed and training-step memory of TransformerLM against Hugging Face LlamaForCausalLM.
+
+Same config, same weights (mapped by scratchlm.compat.hf), fp32, 2 threads. The contenders are timed in
+alternation (benchmarks/harness.py) and reported as medians with the time ratio:
+- ours (from-scratch attention, the default) vs Llama with eager attention (target: ratio <= 1.0),
+- ours vs Llama with SDPA attention (target: within 10%),
+- optionally ours under torch.compile (`--compile`).
+Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
+transformers imports included alike; model + a few forward/backward steps), measured by harness.run_measured.
+
+    .venv/bin/python benchmarks/bench_model.py            # tinystories-17m 8x256 and tiny, + memory
+    .venv/bin/python benchmarks/bench_model.py --quick    # fewer repeats
+    .venv/bin/python benchmarks/bench_model.py --compile  # also time torch.compile(ours)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleave, interleave_commands, python_command, report  # noqa: E402
+from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
+from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
+
+CONTENDERS = ("ours", "llama-eager", "llama-sdpa")
+
+
+def build(name: str, cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """One contender; the Llama models get our weights, so all three compute the same function."""
+    torch.manual_seed(seed)
+    ours = TransformerLM(cfg)
+    if name == "ours":
+        return ours
+    from transformers import LlamaForCausalLM
+
+    hf_cfg = to_hf_llama_config(cfg)
+    hf_cfg._attn_implementation = name.removeprefix("llama-")
+    hf = LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=not cfg.tie_embeddings)
+    return hf
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Forward, next-token cross-entropy, backward; gradients dropped afterwards."""
+    out = model(ids[:, :-1])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def bench_speed(preset: str, batch: int, seq: int, repeats: int, with_compile: bool) -> None:
+    cfg = ModelConfig.preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    models = {name: build(name, cfg).train() for name in CONTENDERS}
+    if with_compile:
+        compiled = torch.compile(build("ours", cfg).train())
+        start = time.perf_counter()
+        train_step(compiled, ids)
+        print(f"torch.compile(ours) first step (compile) took {time.perf_counter() - start:.1f} s")
+        models["ours-compiled"] = compiled
+    results = interleave({name: (lambda m=m: train_step(m, ids)) for name, m in models.items()}, repeats)
+    title = f"{preset} forward+backward, batch {batch} x {seq}, fp32, {torch.get_num_threads()} threads"
+    tokens = batch * seq
+    report(title + " — vs Llama eager", results, "ours", "llama-eager", tokens, "tokens")
+    report(title + " — vs Llama sdpa", results, "ours", "llama-sdpa", tokens, "tokens")
+    if with_compile:
+        report(title + " — torch.compile", results, "ours-compiled", "ours", tokens, "tokens")
+
+
+def child_snippet(name: str, preset: str, batch: int, seq: int) -> str:
+    return (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+            f"import transformers, bench_model as b; torch.set_num_threads(2); "
+            f"from scratchlm.model import ModelConfig; cfg = ModelConfig.preset({preset!r}); "
+            f"m = b.build({name!r}, cfg).train(); ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq + 1})); "
+            f"[b.train_step(m, ids) for _ in range(3)]")
+
+
+def bench_memory(preset: str, batch: int, seq: int, repeats: int) -> None:
+    commands = {name: python_command(child_snippet(name, preset, batch, seq)) for name in CONTENDERS}
+    commands["baseline (imports only)"] = python_command("import torch, transformers, scratchlm.model")
+    results = interleave_commands(commands, repeats)
+    title = f"{preset} training-step peak RSS, batch {batch} x {seq}, one subprocess per run"
+    report(title + " — vs Llama eager", results, "ours", "llama-eager")
+    report(title + " — vs Llama sdpa", results, "ours", "llama-sdpa")
+    print(f"baseline peak RSS (interpreter + imports, no model): {results['baseline (imports only)'].peak_mb:,.0f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, skip memory")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else 5
+    bench_speed("tinystories-17m", 8, 256, repeats, args.compile)
+    bench_speed("tiny", 8, 32, repeats * 5, with_compile=False)
+    if not args.quick:
+        bench_memory("tinystories-17m", 8, 256, repeats=2)
+
+
+if __name__ == "__main__":
+    main()
