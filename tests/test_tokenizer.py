@@ -75,7 +75,7 @@ def test_matches_tiktoken_on_any_unicode(gpt2, tik, text):
 
 
 PIECES = [" ", "  ", "\n", "\r\n", "\t", "a", "the", " cat", "'s", "'", "ll", "7", "42", "!", "?!", "😀", "👨‍👩‍👧",
-          "日本", "\u0301", "é", EOT, "<|", "endoftext", "|>", "\u00a0"]
+          "日本", "\u0301", "é", EOT, "<|", "endoftext", "|>", "\u00a0", "\x1c", "\u0085", "\u2028", "\u3000"]
 piece_text = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
 
 
