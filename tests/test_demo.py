@@ -1,0 +1,97 @@
+"""`scratchlm demo`: the whole pipeline on the TinyStories fixture in seconds, plus its corpus handling.
+
+The end-to-end test shrinks the model with --set (as a user can) so that it fits a few seconds of training;
+the default settings are measured by hand (docs/experiments.md) because they take minutes by design.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scratchlm.cli import main
+from scratchlm.demo import DemoPaths, demo_config, fit_to_budget, read_prefix, split_holdout
+
+TINY_MODEL = ["model.context_length=32", "data.batch_size=8", "model.d_model=32", "model.num_layers=1",
+              "model.num_heads=2", "model.d_ff=64"]
+
+
+def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sample, tmp_path, capsys):
+    out = tmp_path / "demo"
+    args = ["demo", "--data", str(tinystories_sample), "--out", str(out), "--minutes", "0.1", "--vocab-size", "400",
+            "--quiet"]
+    assert main(args + [arg for item in TINY_MODEL for arg in ("--set", item)]) == 0
+    printed = capsys.readouterr().out
+    story = (out / "sample.txt").read_text()
+    assert story.startswith("Once upon a time") and len(story) > len("Once upon a time") + 20
+    assert story.strip() in printed
+    for artifact in ("tokenizer/tokenizer.json", "data/train.tok", "data/valid.tok", "run/config.toml",
+                     "run/curves.png", "run/report/report.html", "run/report/report.md"):
+        assert (out / artifact).is_file(), artifact
+        assert str(out / artifact.split("/")[0]) in printed
+    assert any((out / "run" / "checkpoints").iterdir())
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "end" and records[-1]["status"] == "finished"
+    assert sum(r["kind"] == "eval" for r in records) >= 2
+    assert "d_model = 32" in (out / "run" / "config.toml").read_text()
+    # A second demo into the same folder must not overwrite the first one's run.
+    assert main(args) == 1
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_missing_default_corpus_says_what_to_do(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("scratchlm.paths.shared_data_file", lambda relative: None)
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 1
+    err = capsys.readouterr().err
+    assert "pass --data FILE" in err and "scratchlm data download tinystories" in err
+    assert main(["demo", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "demo")]) == 1
+    assert "nope.txt: no such file" in capsys.readouterr().err
+
+
+def test_holdout_keeps_whole_documents_and_at_least_the_fraction():
+    docs = [f"story {i} " * (i + 3) + "\n<|endoftext|>\n" for i in range(40)]
+    text = "".join(docs)
+    train, valid = split_holdout(text, 0.05)
+    assert train + valid == text
+    assert len(valid) >= 0.05 * len(text) and valid.startswith("story") and train.endswith("<|endoftext|>\n")
+
+
+@given(st.text(alphabet="ab \n<|endoftext|>", max_size=300), st.floats(0.01, 0.5))
+def test_holdout_never_loses_text(text, fraction):
+    train, valid = split_holdout(text, fraction)
+    assert train + valid == text
+
+
+def test_read_prefix_cuts_at_a_line_end_never_inside_a_character(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("héllo wörld\n" * 10, encoding="utf-8")
+    assert read_prefix(path, 1000) == "héllo wörld\n" * 10
+    assert read_prefix(path, 30) == "héllo wörld\n" * 2
+    path.write_bytes(b"ok\n\xff\n")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        read_prefix(path, 100)
+
+
+@pytest.mark.parametrize("budget", [60.0, 300.0])
+def test_budget_sets_steps_and_a_schedule_that_ends_with_the_run(tmp_path, budget):
+    config = fit_to_budget(demo_config(DemoPaths(tmp_path), 2048, []), step_seconds=0.5, budget_seconds=budget)
+    steps = config.train.max_steps
+    evals = steps // config.train.eval_every
+    assert steps * 0.5 + evals * config.train.eval_batches / 3 * 0.5 <= budget
+    assert steps >= 0.8 * budget / 0.5 - 30
+    assert config.optim.cosine_cycle_iters is None and config.optim.warmup_iters <= steps // 10
+    assert config.train.checkpoint_every == steps
+
+
+def test_hard_stop_ends_training_gracefully_and_still_samples(tinystories_sample, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("scratchlm.demo.HARD_STOP", 0.4)  # fires at 40% of the budget, mid-training
+    out = tmp_path / "demo"
+    args = ["demo", "--data", str(tinystories_sample), "--out", str(out), "--minutes", "0.2", "--vocab-size", "300"]
+    assert main(args + [arg for item in TINY_MODEL for arg in ("--set", item)]) == 0
+    captured = capsys.readouterr()
+    assert "stopped at the time limit" in captured.err
+    end = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["status"] == "interrupted" and (out / "sample.txt").read_text().startswith("Once upon a time")
