@@ -1,0 +1,299 @@
+"""Data-parallel training through PyTorch's own engine: DDP or FSDP2, applied to the model from outside.
+
+What this file does (the trainer stays single-process code; torchrun supplies the rest):
+- ``launch(config)``: when started by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` set), init
+  the process group from those variables (nccl on CUDA, gloo on CPU), pin each rank to ``cuda:LOCAL_RANK``, and
+  yield the config with that device plus the ``wrap`` the trainer applies; ``destroy_process_group`` on exit.
+  Without torchrun it yields the config unchanged and the trainer's own wrap (compile only).
+- ``wrap_ddp``: ``DistributedDataParallel`` (then ``torch.compile`` of the wrapper, so DDP's bucketed
+  all-reduce overlaps the compiled backward). ``wrap_fsdp``: FSDP2 ``fully_shard`` per TransformerBlock, then the
+  root (embeddings, final norm, lm_head; a tied matrix lives in the root group); blocks are compiled in place so
+  parameter names never change. FSDP2 has no ``no_sync()``; the wrapped module gets one that turns gradient
+  reduce-scatter off, so the trainer's accumulation (reduce only on the last micro-batch) works for both.
+- Global batch: every rank draws ``data.batch_size`` sequences a step from its own stream seeded by
+  (seed, rank); gradients are averaged, so a step at world size N equals one single-process step on the union
+  of the N rank batches (tests/test_distributed.py checks this to fp32 round-off).
+- Checkpoints are always full and unsharded (what ``load_for_inference`` and export read): ``full_state_dicts``
+  gathers them (a collective under FSDP2: every rank must call it; rank 0 gets the tensors, on the CPU) and
+  ``load_full_state`` scatters them back. So a checkpoint taken at world size N resumes at any M.
+- ``restore_sampler``: a checkpoint holds rank 0's sampler state. Rank r's stream depends only on (seed, r) and
+  the number of batches drawn, which is the same on every rank, so rank r replays its own generator to that
+  count (the draws only, no token reads). Resuming at another world size gives each rank the stream it would
+  have had at that size from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scratchlm.config import RunConfig
+from scratchlm.data.batches import BatchSampler
+
+PARALLEL_MODES = ("ddp", "fsdp")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the trainer needs from a (possibly) distributed start."""
+
+    config: RunConfig  # train.device set to this rank's device
+    wrap: Callable[[nn.Module, RunConfig], nn.Module]
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or a launcher setting the same variables) started this process."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def setup(device: str = "auto") -> torch.device:
+    """Init the process group from torchrun's environment and return this rank's device.
+
+    ``device`` is train.device: auto/cuda -> ``cuda:LOCAL_RANK`` with nccl, cpu -> gloo. An explicit ``cuda:N``
+    is refused: under torchrun each rank's GPU is its LOCAL_RANK.
+    """
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(f"distributed setup: environment variables {missing} are not set; launch with "
+                         f"`torchrun --nproc-per-node N -m scratchlm.train ...`")
+    if device.startswith("cuda:"):
+        raise ValueError(f"train.device = {device!r}: under torchrun use auto or cuda (rank r uses cuda:LOCAL_RANK)")
+    if device == "mps":
+        raise ValueError("train.device = 'mps': torch.distributed does not support MPS; use cpu (gloo) or cuda")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local_rank} but this host has {torch.cuda.device_count()} CUDA "
+                             f"device(s): --nproc-per-node must not exceed the GPU count")
+        rank_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(rank_device)  # before init: NCCL binds its communicator to the current device
+    else:
+        rank_device = torch.device("cpu")
+    if not is_distributed():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=rank_device if use_cuda else None)
+    return rank_device
+
+
+def teardown(*, clean: bool = True) -> None:
+    """Destroy the process group; after a clean finish, first wait for every rank.
+
+    Why the barrier: a rank that tears down while a peer is still in its last collective can abort gloo's
+    threads ("terminate called without an active exception"). After an error there is no barrier: the peers
+    may be inside another collective and would never reach it (torchrun stops them instead).
+    """
+    if not is_distributed():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def launch(config: RunConfig, parallel: str = "ddp") -> Iterator[Launch]:
+    """Set up DDP/FSDP2 under torchrun (and tear it down after), or pass through for a single process."""
+    from scratchlm.train.trainer import wrap_model
+
+    if not launched_by_torchrun():
+        yield Launch(config=config, wrap=wrap_model)
+        return
+    device = setup(config.train.device)
+    clean = False
+    try:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=str(device)))
+        yield Launch(config=config, wrap=wrap_fn(parallel), rank=dist.get_rank(), world_size=dist.get_world_size())
+        clean = True
+    finally:
+        teardown(clean=clean)
+
+
+def wrap_fn(parallel: str) -> Callable[[nn.Module, RunConfig], nn.Module]:
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel mode must be one of {PARALLEL_MODES}, got {parallel!r}")
+    return wrap_ddp if parallel == "ddp" else wrap_fsdp
+
+
+def wrap_ddp(model: nn.Module, config: RunConfig) -> nn.Module:
+    """DistributedDataParallel, compiled as a whole when train.compile (DDPOptimizer splits at buckets)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return torch.compile(ddp) if config.train.compile else ddp
+
+
+def wrap_fsdp(model: nn.Module, config: RunConfig) -> nn.Module:
+    """FSDP2: shard each block, then the root; parameters become DTensors in place (names unchanged).
+
+    Build the optimizer AFTER this call: fully_shard replaces the parameter objects.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        if config.train.compile:
+            block.compile()  # in place: a torch.compile wrapper would add "_orig_mod." to every name
+        fully_shard(block)
+    fully_shard(model)
+    # Why: the trainer skips gradient sync with DDP's no_sync() on all but the last micro-batch.
+    model.no_sync = lambda: _fsdp_no_sync(model)
+    return model
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-d tensor over all ranks (itself in a single process); every rank must call it."""
+    if not is_distributed():
+        return value
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is True on any one (so all ranks stop together); a host sync."""
+    if not is_distributed():
+        return flag
+    value = torch.tensor(int(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def as_full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor result (FSDP2's grad norm is a replicated DTensor); others pass through."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+# ---- samplers ------------------------------------------------------------------------------------------------
+
+def restore_sampler(sampler: BatchSampler, saved: dict[str, Any]) -> None:
+    """Continue ``sampler`` (this rank's) from rank 0's saved state, at the same or another world size."""
+    state = dict(saved, world_size=sampler.world_size)  # a rank's stream does not depend on the world size
+    if saved.get("rank") != sampler.rank:
+        state.update(rank=sampler.rank, bit_generator=_replayed_generator_state(sampler, saved))
+    sampler.load_state_dict(state)
+
+
+def _replayed_generator_state(sampler: BatchSampler, saved: dict[str, Any]) -> dict[str, Any]:
+    """The generator state rank ``sampler.rank`` reaches after ``batches_drawn`` batches (draws only).
+
+    Mirrors how get_batch draws window starts: ``integers(0, n - T, size=B, dtype=int64)`` once per batch.
+    """
+    for key in ("batch_size", "context_length", "num_tokens", "batches_drawn", "seed"):
+        if key not in saved:
+            raise ValueError(f"cannot restore the batch sampler of rank {sampler.rank}: the saved sampler state "
+                             f"has no {key!r}")
+    generator = np.random.default_rng([saved["seed"], sampler.rank])
+    high = int(saved["num_tokens"]) - int(saved["context_length"])
+    for _ in range(int(saved["batches_drawn"])):
+        generator.integers(0, high, size=int(saved["batch_size"]), dtype=np.int64)
+    return generator.bit_generator.state
+
+
+# ---- full (unsharded) state for checkpoints --------------------------------------------------------------------
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model state dict, optimizer state dict) as a single process would have them: full and unsharded.
+
+    The optimizer dict uses parameter indices, as ``Optimizer.state_dict()`` does. Under FSDP2 this is a
+    collective (call it on every rank); only rank 0's dicts hold tensors (on the CPU), the others are empty.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from scratchlm.train.checkpoint import unwrap
+
+    model = unwrap(model)
+    if not is_fsdp(model):
+        return model.state_dict(), optimizer.state_dict()
+    options = _full_options()
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if not optimizer_state:  # ranks other than 0
+        return model_state, optimizer_state
+    index_of = {name: index for index, name in enumerate(_names_in_optimizer_order(model, optimizer))}
+    return model_state, {
+        "state": {index_of[name]: values for name, values in optimizer_state["state"].items()},
+        "param_groups": [_group_with(group, [index_of[name] for name in group["params"]])
+                         for group in optimizer_state["param_groups"]],
+    }
+
+
+def _group_with(group: dict[str, Any], params: list) -> dict[str, Any]:
+    """A param group with new ``params``; lists back to the tuples the optimizer was built with (betas)."""
+    return {key: params if key == "params" else tuple(value) if isinstance(value, list) else value
+            for key, value in group.items()}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+                    optimizer_state: dict | None) -> None:
+    """Inverse of ``full_state_dicts``: every rank passes the same full dicts (read from the checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from scratchlm.train.checkpoint import unwrap
+
+    model = unwrap(model)
+    if not is_fsdp(model):
+        model.load_state_dict(model_state)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is None or optimizer_state is None:
+        return
+    names = _names_in_optimizer_order(model, optimizer)
+    by_name = {
+        "state": {names[int(index)]: values for index, values in optimizer_state["state"].items()},
+        "param_groups": [dict(group, params=[names[int(index)] for index in group["params"]])
+                         for group in optimizer_state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
+
+def _names_in_optimizer_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the order ``Optimizer.state_dict()`` numbers them (groups in order, then params)."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    return [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
