@@ -109,6 +109,7 @@ def test_report_is_self_contained_and_tabulates_deltas_and_divergence(runs, tmp_
     assert '<td class="diverged">DIVERGED</td>' in page and "non-finite loss at step 50" in page
     assert "<code>model.norm</code>: <code>&#x27;rmsnorm&#x27;</code> → <code>&#x27;none&#x27;</code>" in page
     assert "train.run_dir" not in page
+    assert "<summary>full config</summary>" in page and "<td>model.d_model</td><td>64</td>" in page
     markdown = md_path.read_text()
     assert "![learning curves](curves.png)" in markdown
     assert "| no-norm | finished | 50 |" in markdown

@@ -152,7 +152,8 @@ def render_markdown(title: str, rows: list[Row], figure_name: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", NOTE, "", "## Config diff vs the baseline", ""]
     for row in rows:
-        text = "baseline" if row.is_baseline else (_diff_text(row.diff) or "no changes")
+        config_file = row.run.path / "config.toml"
+        text = f"baseline (full config: `{config_file}`)" if row.is_baseline else (_diff_text(row.diff) or "no changes")
         lines.append(f"- **{row.run.name}**: {text}")
         if row.run.end and row.run.end.get("message"):
             lines.append(f"  - end: {row.run.end['message']}")
@@ -168,6 +169,7 @@ th { background: #f0f0f0; } td:first-child, td:nth-child(2), th:first-child, th:
 p.note { color: #555; font-size: 14px; }
 tr.diverged td { background: #fde8e8; } td.diverged { color: #b00; font-weight: bold; }
 tr.baseline td { background: #eef5ff; }
+details table td { text-align: left; padding: 1px 8px; } summary { cursor: pointer; color: #555; }
 img { max-width: 100%; } code { background: #f4f4f4; padding: 1px 4px; font-size: 13px; }
 """
 
@@ -185,7 +187,9 @@ def render_html(title: str, rows: list[Row], png: bytes) -> str:
     diffs = []
     for row in rows:
         if row.is_baseline:
-            items = "<li>baseline</li>"
+            settings = "".join(f"<tr><td>{esc(k)}</td><td>{esc(repr(v))}</td></tr>" for k, v in row.run.config.items()
+                               if k not in IGNORED_DIFF_KEYS)
+            items = f"<li>baseline<details><summary>full config</summary><table>{settings}</table></details></li>"
         else:
             items = "".join(f"<li><code>{esc(k)}</code>: <code>{esc(repr(a))}</code> → <code>{esc(repr(b))}</code></li>"
                             for k, (a, b) in row.diff.items()) or "<li>no changes</li>"
