@@ -9,6 +9,10 @@ import torch
 
 from scratchlm.paths import DATA_DIR_ENV, describe_search, shared_data_file
 
+# One intra-op thread per test process: the suite runs under pytest-xdist on 2 cores, and oversubscribed
+# OpenMP threads slow every test several-fold.
+torch.set_num_threads(1)
+
 
 def require_shared(relative: str) -> Path:
     """Path of a shared data file, or skip the test naming what is missing and where it was looked for."""
@@ -31,7 +35,7 @@ def tinystories_sample() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_threads():
+def _seed():
     torch.manual_seed(0)
     yield
 
