@@ -1,0 +1,118 @@
+"""Generation speed: our KV-cached decoding vs Hugging Face `generate` (its KV cache) vs our no-cache loop.
+
+    .venv/bin/python benchmarks/bench_generate.py            # 256 new tokens, batch 1 and 8, 3 rounds
+    .venv/bin/python benchmarks/bench_generate.py --quick    # 64 new tokens, 1 round
+    .venv/bin/python benchmarks/bench_generate.py --profile  # cProfile of our batch-1 decode, top functions
+
+The model is tinystories-17m with random weights; HF gets the very same weights through compat/hf.py (so the
+greedy tokens should agree, which is reported). All decode greedily for exactly `--new-tokens` tokens (HF:
+min_new_tokens, no eos). Targets (issue 5): ours >= 2x HF and >= 5x our own no-cache loop, in tokens/s.
+The no-cache loop recomputes the whole window every step, so it runs at batch 1 only (it is the slow one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleave, report  # noqa: E402
+
+from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
+from scratchlm.generate.sampling import generate  # noqa: E402
+from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
+
+PROMPT_LENGTH = 16
+
+
+def build_models() -> tuple[TransformerLM, torch.nn.Module]:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ours = TransformerLM(ModelConfig.preset("tinystories-17m")).eval()
+    hf_config = to_hf_llama_config(ours.config)
+    hf_config._attn_implementation = "sdpa"
+    hf = LlamaForCausalLM(hf_config).eval()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config))
+    return ours, hf
+
+
+def contenders(ours, hf, prompts: torch.Tensor, new_tokens: int, with_no_cache: bool) -> dict:
+    prompt_lists = prompts.tolist()
+    results: dict[str, list[list[int]]] = {}
+
+    def run_ours():
+        results["ours"] = generate(ours, prompt_lists, new_tokens, temperature=0)
+
+    def run_hf():
+        with torch.inference_mode():
+            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                              pad_token_id=0, use_cache=True)
+        results["hf"] = out[:, prompts.shape[1]:].tolist()
+
+    def run_no_cache():
+        results["no_cache"] = generate(ours, prompt_lists, new_tokens, temperature=0, use_cache=False)
+
+    found = {"ours (KV cache)": run_ours, "HF generate (KV cache)": run_hf}
+    if with_no_cache:
+        found["ours (no cache)"] = run_no_cache
+    return found, results
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two greedy decodings agree before they first diverge (per row, averaged)."""
+    shares = []
+    for row_a, row_b in zip(a, b):
+        same = next((i for i, (x, y) in enumerate(zip(row_a, row_b)) if x != y), len(row_a))
+        shares.append(same / len(row_a))
+    return sum(shares) / len(shares)
+
+
+def bench(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
+    prompts = torch.randint(0, ours.config.vocab_size, (batch, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
+    fns, outputs = contenders(ours, hf, prompts, new_tokens, with_no_cache=batch == 1)
+    results = interleave(fns, repeats=repeats, warmup=1)
+    work = batch * new_tokens
+    report(f"generate {new_tokens} tokens, batch {batch}: ours vs HF", results, "ours (KV cache)",
+           "HF generate (KV cache)", unit_work=work, unit="tokens")
+    if "ours (no cache)" in results:
+        report(f"generate {new_tokens} tokens, batch {batch}: KV cache vs no cache", results, "ours (KV cache)",
+               "ours (no cache)", unit_work=work, unit="tokens")
+        assert outputs["ours"] == outputs["no_cache"], "cached and uncached greedy decoding disagree"
+    print(f"greedy agreement with HF (prefix before first divergence): {agreement(outputs['ours'], outputs['hf']):.0%}")
+
+
+def profile(ours, new_tokens: int) -> None:
+    prompt = list(range(PROMPT_LENGTH))
+    generate(ours, prompt, 8, temperature=0)
+    profiler = cProfile.Profile()
+    profiler.runcall(generate, ours, prompt, new_tokens, temperature=0)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 new tokens, one timed round")
+    parser.add_argument("--profile", action="store_true", help="profile our batch-1 decode instead")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    new_tokens = args.new_tokens or (64 if args.quick else 256)
+    ours, hf = build_models()
+    if args.profile:
+        profile(ours, new_tokens)
+        return
+    print(f"tinystories-17m, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} threads")
+    for batch in (1, 8):
+        bench(batch, new_tokens, repeats=1 if args.quick else 3, ours=ours, hf=hf)
+
+
+if __name__ == "__main__":
+    main()
