@@ -146,7 +146,7 @@ class Tokenizer:
         """Lazily yield the ids of the concatenated strings (e.g. a file read line by line); equals ``encode``."""
         return chain.from_iterable(self.encode_stream(iterable))
 
-    def encode_stream(self, iterable: Iterable[str], *, chunk_chars: int = 1 << 18) -> Iterator[list[int]]:
+    def encode_stream(self, iterable: Iterable[str], *, chunk_chars: int = 1 << 16) -> Iterator[list[int]]:
         """Like ``encode_iterable`` but yields lists of ids, one per buffered chunk of about ``chunk_chars``."""
         parts: list[str] = []
         buffered = 0
@@ -263,9 +263,11 @@ class Tokenizer:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
 
         Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
-        longer special match), and (2) in the last ordinary piece, the final pre-tokens covering its last
-        ``_LOOKAHEAD_CHARS`` characters: a match ending earlier was decided by characters already present (e.g.
-        GPT-2's ``\\s+(?!\\S)`` gives trailing spaces away to the next word only once that word arrives).
+        longer special match), and (2) the end of the last ordinary piece: from its last space that follows a
+        non-whitespace character (a boundary no later text can move, as in ``_encode_ordinary``), or, when it
+        has none, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters: a match ending earlier
+        was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives trailing spaces away to
+        the next word only once that word arrives).
         """
         cut = len(buffer) - self._partial_special_length(buffer)
         head, pending = buffer[:cut], buffer[cut:]
@@ -277,6 +279,10 @@ class Tokenizer:
                 ids.append(self._special_ids[piece])
             else:
                 self._encode_ordinary(piece, ids)
+        boundary = _last_space_boundary(open_piece)
+        if boundary > 0:
+            self._encode_ordinary(open_piece[:boundary], ids)
+            return ids, open_piece[boundary:] + pending
         pretokens = GPT2_SPLIT_REGEX.findall(open_piece)
         held: list[str] = []
         held_chars = 0
@@ -419,6 +425,14 @@ def _merge_with_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int
 def _ends_in_whitespace(word: str) -> bool:
     """Whether word's last character is whitespace in the GPT-2 pattern's sense (regex ``\\s``)."""
     return _WHITESPACE.match(word, len(word) - 1) is not None
+
+
+def _last_space_boundary(text: str) -> int:
+    """Index of the last space in text that follows a non-whitespace character, or 0 if there is none."""
+    space = text.rfind(" ")
+    while space > 0 and _WHITESPACE.match(text, space - 1):
+        space = text.rfind(" ", 0, space - 1)
+    return max(space, 0)
 
 
 def _unencodable_message(text: str, offset: int) -> str:
