@@ -13,16 +13,25 @@ Processes are started with torch.multiprocessing (spawn) or torchrun; all use ti
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from scratchlm.config import RunConfig
+from scratchlm.cli import main as cli_main
+from scratchlm.config import RunConfig, TrainConfig
 from scratchlm.data.batches import BatchSampler
+from scratchlm.data.token_file import write_token_file
 from scratchlm.model import TransformerLM
 from scratchlm.train import distributed
 from scratchlm.train.trainer import build_optimizer, train_step
@@ -32,6 +41,11 @@ MICRO_BATCHES = 2  # gradient accumulation: exercises no_sync on all but the las
 ROWS_PER_RANK = 2
 STEPS = 3
 LR = 3e-3
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+HOOKED = "parallel" in {f.name for f in dataclasses.fields(TrainConfig)}
+needs_trainer_hooks = pytest.mark.skipif(
+    not HOOKED, reason="needs the trainer hooks (train.parallel; distributed.launch in `scratchlm train`, "
+                       "restore_sampler/checkpoint_sources/optimizer_for in trainer.py)")
 
 
 def free_port() -> int:
@@ -84,34 +98,50 @@ def single_process_reference(config: RunConfig, out: Path) -> dict:
     return {"history": history, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
-def _step_level_worker(rank: int, port: int, out: Path) -> None:
+def _worker(rank: int, port: int, out: Path, data: Path) -> None:
+    """Step-level DDP/FSDP2 parity, then (with the trainer hooks) a 2-rank `scratchlm train` run in which each
+    rank is given its own run directory: rank 1's must stay absent."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     distributed.setup("cpu")
     clean = False
     try:
-        config = tiny_run_config()
-        mine = rank_slice(global_batches(config), rank)
-        # DDP from step 0.
-        ddp = distributed.wrap_ddp(fresh_model(config), config)
-        optimizer = build_optimizer(ddp.module, config)
-        ddp_history = run_steps(ddp, optimizer, mine)
-        ddp_state = distributed.full_state_dicts(ddp, optimizer)
-        # FSDP2 resumed from the single-process state after step 1 (world size 1 -> 2), then gathered (2 -> 1).
-        model = distributed.wrap_fsdp(fresh_model(config), config)
-        optimizer = build_optimizer(model, config)
-        saved = torch.load(out / "after_step1.pt", weights_only=True)
-        distributed.load_full_state(model, optimizer, saved["model"], saved["optimizer"])
-        fsdp_history = run_steps(model, optimizer, mine[1:])
-        fsdp_state = distributed.full_state_dicts(model, optimizer)
-        if rank == 0:
-            torch.save({"ddp": (ddp_history, *ddp_state), "fsdp": (fsdp_history, *fsdp_state)}, out / "ranks.pt")
-        else:
-            torch.save({"fsdp_state_sizes": (len(fsdp_state[0]), len(fsdp_state[1]))}, out / "rank1.pt")
+        _step_level(rank, out)
+        if HOOKED:  # `scratchlm train` finds the process group up, uses it and tears it down
+            exit_code = cli_main(["train", *train_args(data, out / f"run_rank{rank}", steps=4), "--quiet"])
+            (out / f"exit_rank{rank}").write_text(str(exit_code))
         clean = True
     finally:
         distributed.teardown(clean=clean)
+
+
+def train_args(data: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    sets = [f"data.train_path={data / 'train.tok'}", f"data.val_path={data / 'valid.tok'}", "data.batch_size=4",
+            f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=2", "train.checkpoint_every=2",
+            "model.context_length=16", "optim.warmup_iters=1", *extra]
+    return ["--config", str(CONFIGS / "tiny.toml"), "--run-dir", str(run_dir), *[f"--set={s}" for s in sets]]
+
+
+def _step_level(rank: int, out: Path) -> None:
+    config = tiny_run_config()
+    mine = rank_slice(global_batches(config), rank)
+    # DDP from step 0.
+    ddp = distributed.wrap_ddp(fresh_model(config), config)
+    optimizer = build_optimizer(ddp.module, config)
+    ddp_history = run_steps(ddp, optimizer, mine)
+    ddp_state = distributed.full_state_dicts(ddp, optimizer)
+    # FSDP2 resumed from the single-process state after step 1 (world size 1 -> 2), then gathered (2 -> 1).
+    model = distributed.wrap_fsdp(fresh_model(config), config)
+    optimizer = build_optimizer(model, config)
+    saved = torch.load(out / "after_step1.pt", weights_only=True)
+    distributed.load_full_state(model, optimizer, saved["model"], saved["optimizer"])
+    fsdp_history = run_steps(model, optimizer, mine[1:])
+    fsdp_state = distributed.full_state_dicts(model, optimizer)
+    if rank == 0:
+        torch.save({"ddp": (ddp_history, *ddp_state), "fsdp": (fsdp_history, *fsdp_state)}, out / "ranks.pt")
+    else:
+        torch.save({"fsdp_state_sizes": (len(fsdp_state[0]), len(fsdp_state[1]))}, out / "rank1.pt")
 
 
 def assert_states_close(got: tuple[dict, dict], want: dict) -> None:
@@ -124,12 +154,28 @@ def assert_states_close(got: tuple[dict, dict], want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def step_level(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("step_level")
-    reference = single_process_reference(tiny_run_config(), out)
-    mp.spawn(_step_level_worker, args=(free_port(), out), nprocs=WORLD_SIZE, join=True)
-    return {"reference": reference, **torch.load(out / "ranks.pt", weights_only=True),
-            **torch.load(out / "rank1.pt", weights_only=True)}
+def data(tmp_path_factory) -> Path:
+    """Byte-level token files (vocab 256) of repeated short sentences."""
+    folder = tmp_path_factory.mktemp("data")
+    text = b"the cat sat on the mat. a dog ran to the park. we like red apples! "
+    for name, repeats in (("train.tok", 60), ("valid.tok", 6)):
+        write_token_file(folder / name, np.frombuffer(text * repeats, dtype=np.uint8), vocab_size=256)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory, data) -> Path:
+    out = tmp_path_factory.mktemp("spawned")
+    torch.save(single_process_reference(tiny_run_config(), out), out / "reference.pt")
+    mp.spawn(_worker, args=(free_port(), out, data), nprocs=WORLD_SIZE, join=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def step_level(spawned) -> dict:
+    return {"reference": torch.load(spawned / "reference.pt", weights_only=True),
+            **torch.load(spawned / "ranks.pt", weights_only=True),
+            **torch.load(spawned / "rank1.pt", weights_only=True)}
 
 
 def test_ddp_matches_single_process_on_the_global_batch(step_level):
@@ -199,3 +245,45 @@ def test_setup_refuses_a_fixed_cuda_index(monkeypatch):
 def test_unknown_parallel_mode_is_refused():
     with pytest.raises(ValueError, match="ddp"):
         distributed.wrap_fn("zero3")
+
+
+# ---- trainer level: `scratchlm train` under 2 ranks ---------------------------------------------------------
+
+def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+@needs_trainer_hooks
+def test_only_rank_0_writes(spawned):
+    assert (spawned / "exit_rank0").read_text() == (spawned / "exit_rank1").read_text() == "0"
+    assert not (spawned / "run_rank1").exists()
+    run = spawned / "run_rank0"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.json", "step_0000002",
+                                                                        "step_0000004"]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]  # one writer: every step logged once
+    assert metrics(run)[-1]["tokens"] == 4 * 4 * 16 * WORLD_SIZE  # steps x batch x context x ranks
+
+
+@needs_trainer_hooks
+def test_resume_world_2_at_world_1(spawned, data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(spawned / "run_rank0", run)
+    assert cli_main(["train", *train_args(data, run, steps=6), "--resume", "--quiet"]) == 0
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in metrics(run, "eval")] == [2, 4, 6]
+
+
+@needs_trainer_hooks
+def test_resume_world_1_at_world_2_with_torchrun(data, tmp_path):
+    run = tmp_path / "run"
+    assert cli_main(["train", *train_args(data, run, steps=2), "--quiet"]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+               "-m", "scratchlm.train", *train_args(data, run, steps=4), "--resume"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in metrics(run))
+    assert "finished 4 steps" in done.stderr and done.stderr.count("finished 4 steps") == 1  # rank 0 only
+    assert (run / "checkpoints" / "step_0000004").is_dir()

@@ -227,10 +227,10 @@ def _replayed_generator_state(sampler: BatchSampler, saved: dict[str, Any]) -> d
 
 # ---- full (unsharded) state for checkpoints --------------------------------------------------------------------
 
-def _full_options():
+def _full_options(cpu_offload: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
 def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -265,23 +265,23 @@ def _group_with(group: dict[str, Any], params: list) -> dict[str, Any]:
             for key, value in group.items()}
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict | None,
                     optimizer_state: dict | None) -> None:
-    """Inverse of ``full_state_dicts``: every rank passes the same full dicts (read from the checkpoint)."""
+    """Inverse of ``full_state_dicts``: every rank passes the same full dicts (None: leave that part)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from scratchlm.train.checkpoint import unwrap
 
     model = unwrap(model)
     if not is_fsdp(model):
-        model.load_state_dict(model_state)
+        if model_state is not None:
+            model.load_state_dict(model_state)
         if optimizer is not None and optimizer_state is not None:
             optimizer.load_state_dict(optimizer_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    options = _full_options(cpu_offload=False)
+    if model_state is not None:
+        set_model_state_dict(model, model_state, options=options)
     if optimizer is None or optimizer_state is None:
         return
     names = _names_in_optimizer_order(model, optimizer)
@@ -291,6 +291,38 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
                          for group in optimizer_state["param_groups"]],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
+
+class FullState:
+    """A gathered state dict behind the ``state_dict()`` call that CheckpointManager.save makes."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def checkpoint_sources(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """What to hand CheckpointManager.save: the module and optimizer themselves, or under FSDP2 their gathered
+    full state (a collective: every rank calls this; only rank 0's result holds tensors)."""
+    if not is_fsdp(model):
+        return model, optimizer
+    model_state, optimizer_state = full_state_dicts(model, optimizer)
+    return FullState(model_state), FullState(optimizer_state)
+
+
+def optimizer_for(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  build: Callable[[], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The optimizer to train ``model`` (as wrapped) with: ``optimizer`` itself, except under FSDP2, whose
+    fully_shard replaced the parameters: then a new one from ``build()`` carrying over any (resumed) state."""
+    if not is_fsdp(model):
+        return optimizer
+    sharded = build()
+    state = optimizer.state_dict()
+    if state["state"]:
+        load_full_state(model, sharded, None, state)
+    return sharded
 
 
 def _names_in_optimizer_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
