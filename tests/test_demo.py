@@ -70,6 +70,8 @@ def test_read_prefix_cuts_at_a_line_end_never_inside_a_character(tmp_path):
     path.write_text("héllo wörld\n" * 10, encoding="utf-8")
     assert read_prefix(path, 1000) == "héllo wörld\n" * 10
     assert read_prefix(path, 30) == "héllo wörld\n" * 2
+    path.write_text("é" * 10, encoding="utf-8")  # no line end at all: cut between characters
+    assert read_prefix(path, 5) == "éé"
     path.write_bytes(b"ok\n\xff\n")
     with pytest.raises(ValueError, match="not UTF-8 text"):
         read_prefix(path, 100)

@@ -20,6 +20,7 @@ Design:
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import signal
 import sys
@@ -105,10 +106,11 @@ def read_prefix(path: Path, max_bytes: int) -> str:
     """The file's text, or its first max_bytes cut back to the last line end (never inside a character)."""
     with path.open("rb") as handle:
         raw = handle.read(max_bytes + 1)
-    if len(raw) > max_bytes:
+    truncated = len(raw) > max_bytes
+    if truncated:
         raw = raw[: raw.rfind(b"\n", 0, max_bytes) + 1 or max_bytes]
-    try:
-        return raw.decode("utf-8")
+    try:  # final=False drops a character cut in half at the end (a prefix without any line end)
+        return codecs.getincrementaldecoder("utf-8")().decode(raw, final=not truncated)
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start:error.start + 1]!r})") from None
 
@@ -156,7 +158,7 @@ def demo_config(paths: DemoPaths, vocab_size: int, overrides: list[str]) -> RunC
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=10),
         data=DataConfig(train_path=str(paths.data / "train.tok"), val_path=str(paths.data / "valid.tok"),
                         tokenizer=str(paths.tokenizer), batch_size=32),
-        train=TrainConfig(max_steps=100, device="cpu", eval_batches=8, run_dir=str(paths.run)))
+        train=TrainConfig(max_steps=100, device="auto", eval_batches=8, run_dir=str(paths.run)))
     return config.with_overrides(overrides)
 
 
