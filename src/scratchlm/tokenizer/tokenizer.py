@@ -38,6 +38,7 @@ _LOOKAHEAD_CHARS = 3
 # Longer pre-tokens and words are not cached (they are rare, and would make the bounded caches large).
 _MAX_CACHED_CHARS = 64
 _WHITESPACE = regex.compile(r"\s")
+_NO_MERGE = (float("inf"), -1)  # sorts after every real (rank, merged id)
 # Pieces longer than this use heap merging; below it a linear scan per merge is faster.
 _HEAP_MERGE_MIN_BYTES = 256
 
@@ -234,7 +235,7 @@ class Tokenizer:
         return result
 
     def _encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
-        """Append the ids of each pre-token to out: the hot loop."""
+        """Append the ids of each pre-token to out, through the pre-token cache."""
         cache = self._cache
         lookup = cache.get
         extend = out.extend
@@ -374,17 +375,23 @@ def _merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int
 
 
 def _merge_by_scan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    """Merge the lowest-rank adjacent pair (leftmost on ties) until none is mergeable; O(n^2), for short ids."""
-    while len(ids) > 1:
-        best = None
-        best_index = -1
-        for index in range(len(ids) - 1):
-            found = ranks.get((ids[index], ids[index + 1]))
-            if found is not None and (best is None or found[0] < best[0]):
-                best, best_index = found, index
-        if best is None:
+    """Merge the lowest-rank adjacent pair (leftmost on ties) until none is mergeable.
+
+    O(n) per merge, but in C: ``min`` and ``index`` over the pairs' (rank, merged id), of which only the two
+    next to a merge change. Used for short pieces (most pre-tokens are a few bytes).
+    """
+    pair_ranks = [ranks.get(pair, _NO_MERGE) for pair in zip(ids, islice(ids, 1, None))]
+    while pair_ranks:
+        best = min(pair_ranks)  # ties: equal tuples are the same pair, and min returns the leftmost
+        if best is _NO_MERGE:
             break
-        ids[best_index:best_index + 2] = [best[1]]
+        index = pair_ranks.index(best)
+        ids[index:index + 2] = [best[1]]
+        del pair_ranks[index]
+        if index < len(pair_ranks):
+            pair_ranks[index] = ranks.get((ids[index], ids[index + 1]), _NO_MERGE)
+        if index > 0:
+            pair_ranks[index - 1] = ranks.get((ids[index - 1], ids[index]), _NO_MERGE)
     return ids
 
 
