@@ -71,14 +71,14 @@ def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence
              temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None, eos_id: int | None = None,
              seed: int | None = None, use_cache: bool = True) -> list[list[int]]:
     """The new tokens of each prompt (a list of prompts, or one prompt as a flat list -> a list of one)."""
-    outputs: list[list[int]] = []
-    for step in stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+    prompts = _as_batch(prompt_ids, model.config.vocab_size)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in stream(model, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        eos_id=eos_id, seed=seed, use_cache=use_cache):
-        outputs = outputs or [[] for _ in step]
         for row, token in zip(outputs, step):
             if token is not None:
                 row.append(token)
-    return outputs or [[] for _ in _as_batch(prompt_ids, model.config.vocab_size)]
+    return outputs
 
 
 def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int, *,
