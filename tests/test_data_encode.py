@@ -3,6 +3,8 @@ complete-looking output, and the CLI reports compression."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import require_shared
@@ -130,7 +132,7 @@ def test_cli_bad_input_is_one_clear_line(tokenizer_dir, corpus, tmp_path, capsys
     assert main(argv) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "error:" in error
-    assert __import__("re").search(message, error)
+    assert re.search(message, error)
 
 
 def test_cli_rejects_bad_flags(tokenizer_dir, corpus, tmp_path):
