@@ -344,8 +344,9 @@ class _Loop:
             self.state.window_steps += 1
             if self.logger:
                 self.logger.advance()
+            stopping = stop.received is not None  # read once: a signal arriving later is handled next step
             log, evaluate_now = step % cfg.log_every == 0 or final, step % cfg.eval_every == 0 or final
-            save = step % cfg.checkpoint_every == 0 or final or stop.received
+            save = step % cfg.checkpoint_every == 0 or final or stopping
             if not (log or evaluate_now or save):
                 continue
             message = self.watch.check() or ""
@@ -358,7 +359,7 @@ class _Loop:
                 self._paused(self._evaluate)
             if save:
                 self._paused(self._checkpoint)
-            if stop.received:
+            if stopping:
                 status, message = "interrupted", f"stopped by {stop.received}; checkpoint saved at step {step}"
                 break
         return self._finish(status, message)
