@@ -152,3 +152,10 @@ def test_command_downloads_and_prints_paths(server, tmp_path, capsys):
     for name in FILES:
         assert str(tmp_path / "o" / name) in printed
         assert (tmp_path / "o" / name).read_bytes() == (server.remote / name).read_bytes()
+
+
+def test_server_refusing_head_still_downloads(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(RangeHandler, "do_HEAD", lambda self: self.send_error(405), raising=False)
+    out = tmp_path / "out"
+    download_tinystories(out, base_url=server.url, files=FILES[1:], progress=False)
+    assert (out / FILES[1]).read_bytes() == (server.remote / FILES[1]).read_bytes()

@@ -82,9 +82,14 @@ def _open(request: urllib.request.Request):
 
 
 def _remote_size(url: str) -> int | None:
-    """The file's size from a HEAD request, or None when the server does not say."""
-    with _open(urllib.request.Request(url, method="HEAD")) as response:
-        return _content_length(response)
+    """The file's size from a HEAD request, or None when the server does not say (or refuses HEAD)."""
+    try:
+        with _open(urllib.request.Request(url, method="HEAD")) as response:
+            return _content_length(response)
+    except DownloadError as error:
+        if isinstance(error.__cause__, urllib.error.HTTPError):
+            return None  # e.g. 405 from a mirror without HEAD; the GET that follows reports real HTTP errors
+        raise
 
 
 def _content_length(response) -> int | None:
