@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleave, report  # noqa: E402
-
 from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
 from scratchlm.generate.sampling import generate  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
@@ -42,7 +41,8 @@ def build_models() -> tuple[TransformerLM, torch.nn.Module]:
     return ours, hf
 
 
-def contenders(ours, hf, prompts: torch.Tensor, new_tokens: int, with_no_cache: bool) -> dict:
+def contenders(ours, hf, prompts: torch.Tensor, new_tokens: int, with_no_cache: bool) -> tuple[dict, dict]:
+    """The timed callables by name, and the dict where each leaves its generated tokens."""
     prompt_lists = prompts.tolist()
     results: dict[str, list[list[int]]] = {}
 
@@ -75,7 +75,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def bench(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
-    prompts = torch.randint(0, ours.config.vocab_size, (batch, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
+    seeded = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, ours.config.vocab_size, (batch, PROMPT_LENGTH), generator=seeded)
     fns, outputs = contenders(ours, hf, prompts, new_tokens, with_no_cache=batch == 1)
     results = interleave(fns, repeats=repeats, warmup=1)
     work = batch * new_tokens
