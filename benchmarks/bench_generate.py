@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleave, report  # noqa: E402
-from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
-from scratchlm.generate.sampling import generate  # noqa: E402
-from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
+from harness import interleave, report
+from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+from scratchlm.generate.sampling import generate
+from scratchlm.model import ModelConfig, TransformerLM
 
 PROMPT_LENGTH = 16
 
