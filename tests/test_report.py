@@ -96,6 +96,14 @@ def test_config_diff_lists_only_changed_keys_and_ignores_run_dir():
     assert config_diff(base, base) == {}
 
 
+def test_loss_axis_ignores_the_exploding_tail_of_a_curve():
+    from scratchlm.experiments.report import _loss_limits
+
+    low, high = _loss_limits([[(s, 7.6 - s / 10) for s in range(20)] + [(20, 40.0)], [(s, 7.0) for s in range(5)]])
+    assert 5.6 < low < 5.7 and 7.6 < high < 7.8
+    assert _loss_limits([[], []]) is None
+
+
 def test_report_is_self_contained_and_tabulates_deltas_and_divergence(runs, tmp_path):
     html_path, md_path = write_report(runs, out_dir=tmp_path / "out", title="Ablations <test>")
     page = html_path.read_text()

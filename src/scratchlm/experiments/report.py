@@ -65,7 +65,8 @@ def _series(records: list[dict[str, Any]], x_key: str, y_key: str) -> list[tuple
 
 
 def _loss_limits(all_series: list[list[tuple[float, float]]]) -> tuple[float, float] | None:
-    """y-range from the best value up to the highest *starting* loss, so a diverged run cannot flatten the rest."""
+    """y-range from the best value up to the highest *starting* loss (of the runs that did not diverge), so a
+    diverged run's exploding tail cannot flatten the curves that matter; it is drawn cut off at the top."""
     non_empty = [s for s in all_series if s]
     if not non_empty:
         return None
@@ -81,6 +82,7 @@ def plot_curves(runs: list[RunRecord]) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("evals", "val_loss", "validation loss"), ("train", "loss", "training loss")]
     axes_x = [("step", "step"), ("wall_time", "wall-clock time (s)")]
@@ -95,8 +97,11 @@ def plot_curves(runs: list[RunRecord]) -> bytes:
                     label = run.name + (" (diverged)" if run.status == "diverged" else "")
                     ax.plot(*zip(*points), styles[(index // 10) % len(styles)], color=f"C{index % 10}",
                             linewidth=1.4, marker="o" if len(points) < 3 else None, label=label)
-            if limits := _loss_limits(series):
+            healthy = [points for run, points in zip(runs, series) if run.status != "diverged"]
+            if limits := _loss_limits(healthy if any(healthy) else series):
                 ax.set_ylim(*limits)
+            if x_key == "step":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
             ax.set_title(f"{y_label} vs {x_label.split(' (')[0]}")
