@@ -145,6 +145,9 @@ def test_report_cli_expands_a_sweep_directory(runs, tmp_path, capsys):
     assert "| lr-3e-2 | **DIVERGED** |" in (sweep / "report" / "report.md").read_text()
     assert main(["report", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
+    (sweep / "sweep.json").write_text("{not json")
+    assert main(["report", str(sweep)]) == 1
+    assert f"{sweep / 'sweep.json'}: not a sweep summary" in capsys.readouterr().err
 
 
 def _chromium() -> str | None:

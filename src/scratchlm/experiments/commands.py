@@ -63,7 +63,10 @@ def expand_run_dirs(paths: list[Path]) -> list[Path]:
     for path in paths:
         summary = path / SUMMARY_FILE
         if summary.is_file() and not (path / "metrics.jsonl").exists():
-            points = json.loads(summary.read_text(encoding="utf-8"))["points"]
+            try:
+                points = json.loads(summary.read_text(encoding="utf-8"))["points"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{summary}: not a sweep summary ({error})") from None
             expanded += [path / p["run_dir"] for p in points if p["status"] != "new"]
         else:
             expanded.append(path)
