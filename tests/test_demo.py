@@ -19,7 +19,8 @@ TINY_MODEL = ["model.context_length=32", "data.batch_size=8", "model.d_model=32"
               "model.num_heads=2", "model.d_ff=64"]
 
 
-def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sample, tmp_path, capsys):
+def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sample, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("scratchlm.demo.HARD_STOP", 100.0)  # a busy CI machine must not turn this into the next test
     out = tmp_path / "demo"
     args = ["demo", "--data", str(tinystories_sample), "--out", str(out), "--minutes", "0.1", "--vocab-size", "400",
             "--quiet"]
@@ -89,7 +90,10 @@ def test_budget_sets_steps_and_a_schedule_that_ends_with_the_run(tmp_path, budge
 
 
 def test_hard_stop_ends_training_gracefully_and_still_samples(tinystories_sample, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("scratchlm.demo.HARD_STOP", 0.4)  # fires at 40% of the budget, mid-training
+    planned = fit_to_budget  # stretched far past the budget, as if the machine stalled after the probe
+    monkeypatch.setattr("scratchlm.demo.fit_to_budget",
+                        lambda *a: planned(*a).with_overrides(["train.max_steps=1000000"]))
+    monkeypatch.setattr("scratchlm.demo.HARD_STOP", 0.5)
     out = tmp_path / "demo"
     args = ["demo", "--data", str(tinystories_sample), "--out", str(out), "--minutes", "0.2", "--vocab-size", "300"]
     assert main(args + [arg for item in TINY_MODEL for arg in ("--set", item)]) == 0
