@@ -74,7 +74,7 @@ def test_points_are_the_cartesian_product_with_readable_unique_names():
     clashing = sweep_points([parse_axis("optim.eps=1e-8"), parse_axis("model.norm_eps=1e-5,1e-6")])
     assert len({p.name for p in clashing}) == 2
     with pytest.raises(ValueError, match="same run directory name"):
-        sweep_points([parse_axis("train.run_dir=a b,a_b")])
+        sweep_points([parse_axis("model.norm=a b,a_b")])
 
 
 @pytest.mark.parametrize("text,expected", [("0/1", (0, 1)), ("3/4", (3, 4)), (" 1 / 2 ", (1, 2))])
@@ -135,6 +135,8 @@ def test_unknown_key_or_bad_value_fails_before_any_training(tmp_path):
         run_sweep(spec_for(tmp_path, "optim.lrr=1e-3"), train_fn=trainer)
     with pytest.raises(ValueError, match=r"sweep point lr-fast: .*optim.lr='fast': expected float"):
         run_sweep(spec_for(tmp_path, "optim.lr=1e-3,fast"), train_fn=trainer)
+    with pytest.raises(ValueError, match="names each point's train.run_dir itself"):
+        run_sweep(spec_for(tmp_path, "train.run_dir=a,b"), train_fn=trainer)
     assert trainer.calls == []
 
 

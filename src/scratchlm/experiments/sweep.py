@@ -107,7 +107,10 @@ def point_config(spec: SweepSpec, point: SweepPoint) -> Any:
     """The validated RunConfig of one point: base file, then --set, then the grid values, then its run_dir."""
     from scratchlm.config import load_config
 
-    overrides = [*spec.overrides, *point.override_strings(), f"train.run_dir={spec.out_dir / point.name}"]
+    chosen = [*spec.overrides, *point.override_strings()]
+    if any(item.partition("=")[0].strip() == "train.run_dir" for item in chosen):
+        raise ValueError("a sweep names each point's train.run_dir itself (SWEEP/POINT): choose SWEEP with --out")
+    overrides = [*chosen, f"train.run_dir={spec.out_dir / point.name}"]
     try:
         return load_config(spec.base_config, overrides)
     except ValueError as error:
