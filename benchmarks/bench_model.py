@@ -1,7 +1,8 @@
 """Forward+backward speed and training-step memory of TransformerLM against Hugging Face LlamaForCausalLM.
 
 Same config, same weights (mapped by scratchlm.compat.hf), fp32, 2 threads. The contenders are timed in
-alternation (benchmarks/harness.py) and reported as medians with the time ratio:
+alternation (benchmarks/harness.py) and reported as medians with the time ratio (wall clock, plus process
+CPU time per step, which stays meaningful when other jobs share the cores):
 - ours (from-scratch attention, the default) vs Llama with eager attention (target: ratio <= 1.0),
 - ours vs Llama with SDPA attention (target: within 10%),
 - optionally ours under torch.compile (`--compile`).
@@ -16,6 +17,7 @@ transformers imports included alike; model + a few forward/backward steps), meas
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,13 +67,29 @@ def bench_speed(preset: str, batch: int, seq: int, repeats: int, with_compile: b
         train_step(compiled, ids)
         print(f"torch.compile(ours) first step (compile) took {time.perf_counter() - start:.1f} s")
         models["ours-compiled"] = compiled
-    results = interleave({name: (lambda m=m: train_step(m, ids)) for name, m in models.items()}, repeats)
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in models}
+
+    def timed_step(name: str, model: torch.nn.Module) -> None:
+        start = time.process_time()
+        train_step(model, ids)
+        cpu_seconds[name].append(time.process_time() - start)
+
+    results = interleave({name: (lambda n=name, m=m: timed_step(n, m)) for name, m in models.items()}, repeats)
     title = f"{preset} forward+backward, batch {batch} x {seq}, fp32, {torch.get_num_threads()} threads"
     tokens = batch * seq
     report(title + " — vs Llama eager", results, "ours", "llama-eager", tokens, "tokens")
     report(title + " — vs Llama sdpa", results, "ours", "llama-sdpa", tokens, "tokens")
+    report_cpu_time(title, cpu_seconds)
     if with_compile:
         report(title + " — torch.compile", results, "ours-compiled", "ours", tokens, "tokens")
+
+
+def report_cpu_time(title: str, cpu_seconds: dict[str, list[float]]) -> None:
+    """Process CPU time per step (warm-up dropped): robust where other jobs share the cores and inflate wall time."""
+    medians = {name: statistics.median(times[1:]) for name, times in cpu_seconds.items()}
+    print(f"\n## {title} — process CPU seconds per step (median)")
+    for name, seconds in medians.items():
+        print(f"{name}: {seconds:.3f} s  (ours/{name} = {medians['ours'] / seconds:.2f})")
 
 
 def child_snippet(name: str, preset: str, batch: int, seq: int) -> str:
