@@ -28,6 +28,7 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16")
+PARALLEL = ("ddp", "fsdp")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -72,6 +73,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     fused_attention: bool = False  # use torch's fused SDPA kernel in attention (speed; ours is the default)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    parallel: str = "ddp"  # under torchrun: ddp (replicate the model) | fsdp (FSDP2: shard it); unused alone
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 20  # validation batches per evaluation (the same ones every time)
@@ -88,6 +90,7 @@ class TrainConfig:
                      "checkpoint_every", "keep_last"):
             _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.parallel in PARALLEL, f"train.parallel must be one of {PARALLEL}, got {self.parallel!r}")
         _require(bool(DEVICE_PATTERN.match(self.device)),
                  f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")

@@ -61,6 +61,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 def run_train(args: argparse.Namespace) -> int:
     from scratchlm.cli import UserError
     from scratchlm.config import load_config
+    from scratchlm.train import distributed
     from scratchlm.train.trainer import CONFIG_FILE, train
 
     config_path = args.config
@@ -69,10 +70,13 @@ def run_train(args: argparse.Namespace) -> int:
             raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
         config_path = Path(args.run_dir) / CONFIG_FILE
     config = load_config(config_path, train_overrides(args))
-    result = train(config, resume=args.resume, quiet=args.quiet)
+    # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
+    with distributed.launch(config, config.train.parallel) as launched:
+        quiet = args.quiet or not launched.is_main
+        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap)
     if result.status != "finished":
         print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
-    elif not args.quiet:
+    elif not quiet:
         val = f", best val loss {result.best_val_loss:.4f}" if result.best_val_loss is not None else ""
         print(f"finished {result.final_step} steps: train loss {result.train_loss:.4f}{val} -> {result.run_dir}",
               file=sys.stderr)

@@ -37,6 +37,7 @@ from scratchlm.model import TransformerLM
 from scratchlm.optim.adamw import AdamW, param_groups_for
 from scratchlm.optim.clip import clip_gradients
 from scratchlm.optim.schedule import lr_cosine_schedule
+from scratchlm.train import distributed
 from scratchlm.train.loss import cross_entropy, perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, plot_curves
@@ -182,6 +183,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
             loss.backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = distributed.as_full_tensor(grad_norm)  # FSDP2: a replicated DTensor -> a plain tensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
@@ -282,6 +284,8 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         truncate_records(run_dir / METRICS_FILE, state.step)
         config.save_toml(run_dir / CONFIG_FILE)
     model = wrap(raw_model, config)
+    # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
+    optimizer = distributed.optimizer_for(model, optimizer, lambda: build_optimizer(raw_model, config))
     logger = None
     if is_main_process:
         logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
@@ -304,7 +308,7 @@ def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.O
     if saved.model != config.model:
         raise ValueError(f"cannot resume from {path}: it was trained with model {saved.model}, but this config "
                          f"asks for {config.model}")
-    sampler.load_state_dict(loaded["sampler_state"])
+    distributed.restore_sampler(sampler, loaded["sampler_state"])  # rank 0's state, any world size
     fields = {f.name for f in dataclasses.fields(LoopState)}
     return LoopState(**{k: v for k, v in (loaded["extra"] or {}).items() if k in fields}, step=loaded["step"])
 
@@ -317,7 +321,7 @@ class _Loop:
                  state: LoopState, device: torch.device, world_size: int) -> None:
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
         self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
-        self.state, self.device = state, device
+        self.state, self.device, self.world_size = state, device, world_size
         self.tokens_per_step = config.tokens_per_step * world_size
         self.watch = DivergenceWatch(device, config.train.max_loss)
         self.window_loss = torch.tensor(state.window_loss_sum, device=device)
@@ -344,14 +348,14 @@ class _Loop:
             self.state.window_steps += 1
             if self.logger:
                 self.logger.advance()
-            stopping = stop.received is not None  # read once: a signal arriving later is handled next step
             log, evaluate_now = step % cfg.log_every == 0 or final, step % cfg.eval_every == 0 or final
+            stopping = self._stop_agreed(stop, log)
             save = step % cfg.checkpoint_every == 0 or final or stopping
             if not (log or evaluate_now or save):
                 continue
             message = self.watch.check() or ""
-            if message:
-                status = "diverged"
+            if distributed.any_rank(bool(message), self.device):  # every rank stops at the same step
+                status, message = "diverged", message or f"diverged on another rank at step {step}"
                 break
             if log:
                 self._log_train(lr, grad_norm)
@@ -364,6 +368,14 @@ class _Loop:
                 break
         return self._finish(status, message)
 
+    def _stop_agreed(self, stop: StopRequest, log: bool) -> bool:
+        """Stop now? Alone: as soon as a signal came (read once: a later one is handled next step).
+        Distributed: at a log step once any rank got one, so all ranks save and leave together (agreeing every
+        step would cost a host sync per step)."""
+        if self.world_size == 1:
+            return stop.received is not None
+        return log and distributed.any_rank(stop.received is not None, self.device)
+
     def _paused(self, work: Callable[[], None]) -> None:
         start = time.perf_counter()
         work()
@@ -374,7 +386,7 @@ class _Loop:
         return self.start_wall + time.perf_counter() - self.session_start
 
     def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
-        loss = (self.window_loss / self.state.window_steps).item()
+        loss = (distributed.mean_across_ranks(self.window_loss) / self.state.window_steps).item()
         seconds = max(time.perf_counter() - self.window_start - self.paused, 1e-9)
         steps = self.state.window_steps
         self.state.last_train_loss = loss
@@ -388,10 +400,13 @@ class _Loop:
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
 
     def _evaluate(self) -> None:
-        if self.logger is None:
+        # Under FSDP2 every rank takes part in the forward (all-gathers); otherwise only rank 0 evaluates.
+        if self.logger is None and not distributed.is_fsdp(self.raw_model):
             return
         # The unwrapped model: a DDP wrapper would try to sync buffers with ranks that are not evaluating.
         val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device, self.config.train.eval_batches)
+        if self.logger is None:
+            return
         self.last_val_loss = val_loss
         best = self.state.best_val_loss
         if math.isfinite(val_loss) and (best is None or val_loss < best):
@@ -401,12 +416,14 @@ class _Loop:
         self._plot()
 
     def _checkpoint(self) -> None:
+        # Full, unsharded state: a collective under FSDP2, so every rank takes part before rank 0 saves.
+        model, optimizer = distributed.checkpoint_sources(self.raw_model, self.optimizer)
         if self.logger is None:
             return
         self.state.wall_time = self._wall_time()
         self.state.window_loss_sum = self.window_loss.item()
         extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
-        self.checkpoints.save(self.state.step, self.raw_model, self.optimizer, config=self.config.to_dict(),
+        self.checkpoints.save(self.state.step, model, optimizer, config=self.config.to_dict(),
                               sampler_state=self.sampler.state_dict(), extra=extra, val_loss=self.last_val_loss)
 
     def _plot(self) -> None:
