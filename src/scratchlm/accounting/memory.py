@@ -50,7 +50,7 @@ class ActivationElements:
 
     norms: int  # per-layer norms: input and normalized copy (T·d each) and 1/rms (T)
     attention: int  # T·d-sized: QKV input, scaled Q, K, V, output-projection input
-    attention_scores: int  # the h·T² terms: softmax output and its masked copy (ours); scores + probs (cs336)
+    attention_scores: int  # the h·T² terms: the softmax output, kept once (ours); scores + probs (cs336)
     ffn: int  # FFN input (T·d) and the T·d_ff-sized gate/up/SiLU tensors
     final_norm: int  # ln_final internals and the LM head input
     logits: int  # what the loss keeps: T·V-sized shifted logits and their exp (ours); logits + loss (cs336)
@@ -90,15 +90,18 @@ def _cs336_counts(config: ModelConfig) -> dict[str, int]:
 def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
     """What our code keeps (read from model/layers.py, attention.py, transformer.py and train/loss.py):
     - each RMSNorm/LayerNorm: its float32 input (or centered input), the normalized copy, and 1/rms (T);
-    - attention: the QKV matmul input, Q·(1/√d_k) and K (bmm operands), a contiguous copy of V (bmm operand),
-      the output projection's input (heads merged): 5·T·d; softmax output and its masked copy: 2·h·T²;
+    - attention: the fused QKV matmul input, Q·(1/√d_k) and contiguous copies of Kᵀ and V (the bmm operands),
+      the output projection's input (heads merged): 5·T·d; the softmax output: h·T², ONE tensor shared by the
+      softmax Function's backward and the probs @ V bmm (a pure causal mask skips the fully-masked-row
+      fix-up, so no masked copy is made; masked_fill_ writes the scores in place and QKᵀ keeps Q and K, not
+      the scores);
     - SwiGLU: its input, W1x, sigmoid(W1x), SiLU(W1x), W3x and the product: T·d + 5·T·d_ff
       (SiLU FFN: T·d + 3·T·d_ff);
     - ln_final internals (2·T·d + T) and the LM head input (T·d);
     - cross_entropy: shifted logits (kept by gather) and their exp (2·T·V), log input (T), int64 targets (2·T).
     """
     norm = config.norm != "none"
-    return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=5, attn_htt=2,
+    return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=5, attn_htt=1,
                 ffn_td=1, ffn_tf=5 if config.ffn == "swiglu" else 3,
                 final_td=1 + 2 * norm, final_t=norm, logits_tv=2, logits_t=3)
 
@@ -106,8 +109,10 @@ def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
 def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
                         model: str = "scratchlm") -> dict[str, int]:
     """Activations that do not grow with the batch (ours only): the concatenated QKV weight the fused matmul
-    saves (3·d² per layer, plus its bf16 cast under autocast), the RoPE cos/sin rows gathered per call
-    (2·T·d_head per layer) and the bool masks (T² + T bytes per layer)."""
+    saves (3·d² per layer, plus its bf16 cast under autocast), the RoPE cos/sin rows the rotation multiplies by
+    (2·T·d_head per layer: in fp32 slices of each layer's table buffers, which the per-parameter static count
+    leaves out; under autocast their bf16 casts) and the inverted causal mask that masked_fill keeps (T² bytes
+    per layer; a pure causal mask needs no per-row "any key" vector)."""
     if model == "cs336":
         return {}
     layers, d = config.num_layers, config.d_model
@@ -115,7 +120,7 @@ def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
     return {
         "fused_qkv_weights": layers * 3 * d * d * (4 if dtype == "fp32" else 6),
         "rope_tables": layers * 2 * context * config.head_dim * low if config.position == "rope" else 0,
-        "masks": layers * (context * context + context),
+        "masks": layers * context * context,
     }
 
 
