@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scratchlm.data.download import register_download
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("data", help="prepare training data: encode text into token files",
@@ -57,4 +59,4 @@ def _positive_int(text: str) -> int:
     return value
 
 
-ACTIONS = [_register_encode]
+ACTIONS = [_register_encode, register_download]

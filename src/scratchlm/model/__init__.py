@@ -1,7 +1,21 @@
-"""model stage of scratchlm: the from-scratch Transformer LM, its config and KV cache."""
+"""model stage of scratchlm: the from-scratch Transformer LM, its config and KV cache.
+
+`ModelConfig` needs no torch; the modules are imported on first use, so that planning tools (`scratchlm
+accounting`, `scratchlm --help`) start without loading torch.
+"""
 
 from scratchlm.model.config import PRESETS, ModelConfig
-from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.transformer import SiLUFFN, SwiGLU, TransformerBlock, TransformerLM
+
+_LAZY = {"KVCache": "scratchlm.model.kv_cache", "SiLUFFN": "scratchlm.model.transformer",
+         "SwiGLU": "scratchlm.model.transformer", "TransformerBlock": "scratchlm.model.transformer",
+         "TransformerLM": "scratchlm.model.transformer"}
 
 __all__ = ["PRESETS", "KVCache", "ModelConfig", "SiLUFFN", "SwiGLU", "TransformerBlock", "TransformerLM"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
