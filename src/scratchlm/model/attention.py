@@ -108,8 +108,7 @@ class MultiHeadSelfAttention(nn.Module):
         """
         T = x.shape[-2]
         past = kv_cache.length if kv_cache is not None else 0
-        w_qkv = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (3d, d)
-        qkv = (x @ w_qkv.t()).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, H, d_k)
+        qkv = self._project_qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, H, d_k)
         qkv = qkv.movedim(-3, 0).transpose(-3, -2)  # (3, B, H, T, d_k), a view
         q, k, v = qkv.unbind(0)
         if self.rope is not None:
@@ -125,6 +124,15 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             out = _attention(q, k, v, mask, rows_may_be_empty=key_padding is not None)  # (B, H, T, d_k)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
+
+    def _project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, 3d). With autograd on (training), one GEMM against the concatenated weight beats
+        three. Without it (decoding one token at a time), re-concatenating 3·d² weights per call costs more than
+        the GEMM itself, so project three times and concatenate the small outputs instead."""
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if torch.is_grad_enabled():
+            return x @ torch.cat(weights).t()
+        return torch.cat([x @ w.t() for w in weights], dim=-1)
 
     def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:
         """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given."""
