@@ -259,6 +259,20 @@ def test_resume_with_another_model_is_refused(data, finished_run: Path, change: 
         train(tiny_config(data, finished_run, change), resume=True, quiet=True)
 
 
+def test_resume_when_every_checkpoint_is_corrupt_is_refused(data, tmp_path: Path):
+    run_dir = tmp_path / "corrupt"
+    config = tiny_config(data, run_dir, "train.max_steps=2", "optim.warmup_iters=1", "train.checkpoint_every=1")
+    assert train(config, quiet=True).status == "finished"
+    before = (run_dir / "metrics.jsonl").read_text()
+    for checkpoint in (run_dir / "checkpoints").glob("step_*"):
+        with open(checkpoint / "model.safetensors", "ab") as handle:
+            handle.write(b"x")
+    with pytest.warns(UserWarning, match="skipping checkpoint"), \
+            pytest.raises(ValueError, match="cannot resume: none of the 2 checkpoint"):
+        train(config, resume=True, quiet=True)
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing was overwritten
+
+
 def test_cuda_requested_without_cuda(data, tmp_path: Path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -278,7 +278,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
                            seed=config.train.seed, rank=rank, world_size=world_size)
     checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
     state = LoopState()
-    if resume and (path := checkpoints.latest_valid()) is not None:
+    if resume and (path := _resume_point(checkpoints)) is not None:
         state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
@@ -299,6 +299,19 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     finally:
         if logger is not None:
             logger.close()
+
+
+def _resume_point(checkpoints) -> Path | None:
+    """The checkpoint to resume from; None when the run has none yet (it starts from step 0).
+
+    Checkpoints that all fail verification are an error: starting over would overwrite them and cut
+    metrics.jsonl back to step 0.
+    """
+    path = checkpoints.latest_valid()
+    if path is None and (found := checkpoints.checkpoints()):
+        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
+                         f"valid (see the warnings above); move them away to start this run over")
+    return path
 
 
 def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler,
