@@ -124,6 +124,7 @@ def test_cli_encodes_and_reports(tokenizer_dir, corpus, tmp_path, capsys):
     (lambda argv, d: argv.__setitem__(5, str(d / "missing.txt")), "missing.txt does not exist"),
     (lambda argv, d: argv.__setitem__(3, str(d)), "holds no tokenizer"),
     (lambda argv, d: argv.__setitem__(7, str(d / "no" / "o.tok")), "folder .* does not exist"),
+    (lambda argv, d: argv.__setitem__(7, str(d)), "it is a folder"),
 ])
 def test_cli_bad_input_is_one_clear_line(tokenizer_dir, corpus, tmp_path, capsys, change, message):
     argv = ["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(corpus[0]), "--out",

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UserError, FileNotFoundError, PermissionError, ValueError) as error:
+    except (UserError, OSError, ValueError) as error:  # OSError: missing file, a folder given for a file, full disk
         print(f"scratchlm {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -66,6 +66,8 @@ class TokenFileWriter:
         self.num_tokens = 0
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"cannot write token file {self.path}: folder {self.path.parent} does not exist")
+        if self.path.is_dir():
+            raise IsADirectoryError(f"cannot write token file {self.path}: it is a folder")
         handle, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
         self._temporary = Path(name)
         self._file = os.fdopen(handle, "wb")
