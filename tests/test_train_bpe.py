@@ -247,6 +247,16 @@ def test_cli_train_saves_the_trained_tokenizer(tmp_path, capsys):
     assert loaded.merges == merges and loaded.vocab == vocab
 
 
+def test_cli_out_that_is_a_file_fails_before_training(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world")
+    code = main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--out", str(corpus)])
+    assert code == 1
+    error = capsys.readouterr().err
+    assert f"--out {corpus} is a file" in error and error.count("\n") == 1
+    assert corpus.read_text() == "hello world"
+
+
 def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     code = main(["tokenizer", "train", "--input", str(tmp_path / "nope.txt"), "--vocab-size", "300",
                  "--out", str(tmp_path / "tok")])

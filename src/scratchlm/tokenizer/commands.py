@@ -62,6 +62,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # fail before training, not after it
+        raise ValueError(f"--out {args.out} is a file; give a directory to save the tokenizer in")
     show_progress = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
