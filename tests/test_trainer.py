@@ -273,6 +273,16 @@ def test_resume_when_every_checkpoint_is_corrupt_is_refused(data, tmp_path: Path
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing was overwritten
 
 
+def test_metrics_logger_writes_and_echoes_non_finite_values(tmp_path: Path, capsys):
+    from scratchlm.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=1)
+    logger.log({"kind": "eval", "step": 1, "tokens": 8, "wall_time": 0.1, "val_loss": 800.0, "val_ppl": math.inf})
+    logger.close()
+    assert records(tmp_path, "eval")[0]["val_ppl"] == "inf"
+    assert "val_ppl inf" in capsys.readouterr().err
+
+
 def test_cuda_requested_without_cuda(data, tmp_path: Path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -50,6 +50,7 @@ class MetricsLogger:
         self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
 
     def log(self, record: dict[str, Any]) -> None:
+        summary = describe(record)  # before _json_safe: a non-finite value is a float here, a string after
         record = {key: _json_safe(value) for key, value in record.items()}
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
@@ -57,7 +58,6 @@ class MetricsLogger:
         if self._wandb is not None and record["kind"] != "end":
             self._wandb.log({f"{record['kind']}/{k}": v for k, v in record.items() if k not in ("kind", "step")},
                             step=record["step"])
-        summary = describe(record)
         if self._bar.disable:
             if self._echo:
                 print(summary, file=sys.stderr, flush=True)
