@@ -227,3 +227,15 @@ def test_rng_state_round_trips_through_json():
     restore_rng_state(state)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+def test_malformed_meta_is_reported_not_raised(tmp_path):
+    model, optimizer, sampler = make_setup()
+    manager = CheckpointManager(tmp_path)
+    first = save(manager, 1, model, optimizer, sampler)
+    second = save(manager, 2, model, optimizer, sampler)
+    meta = json.loads((second / "meta.json").read_text())
+    meta["files"] = {"model.safetensors": {"sha256": "0"}}  # parses, but has no byte count
+    (second / "meta.json").write_text(json.dumps(meta))
+    with pytest.warns(CheckpointWarning, match="step_0000002: meta.json is malformed"):
+        assert manager.latest_valid() == first

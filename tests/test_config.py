@@ -156,3 +156,14 @@ def test_toml_round_trip_property(lr: float, seed: int, run_dir: str, compile_: 
     config = RunConfig.from_dict({"optim": {"lr": lr, "min_lr": 0.0, "betas": [beta, beta]},
                                   "train": {"seed": seed, "run_dir": run_dir, "compile": compile_}})
     assert RunConfig.from_dict(tomllib.loads(to_toml(config.to_dict()))) == config
+
+
+def test_preset_override_replaces_the_model(base: Path):
+    config = load_config(base, ["model.preset=tinystories-17m", "model.num_layers=2"])
+    assert config.model == ModelConfig.preset("tinystories-17m", num_layers=2)
+    assert load_config(base).with_overrides(["model.preset=gpt2-small"]).model == ModelConfig.preset("gpt2-small")
+
+
+def test_config_that_is_a_folder_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(ValueError, match="is a folder, not a TOML file"):
+        load_config(tmp_path)

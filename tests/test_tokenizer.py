@@ -256,5 +256,8 @@ def test_missing_files_are_named(tmp_path):
         Tokenizer.load(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
         Tokenizer.load(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file; expected the directory"):
+        Tokenizer.load(tmp_path / "file")
     with pytest.raises(FileNotFoundError, match="vocab.json does not exist"):
         Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")

@@ -166,6 +166,8 @@ def read_toml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in _seen:
         raise ValueError(f"config {path} extends itself (cycle: {' -> '.join(str(p) for p in (*_seen, path))})")
+    if path.is_dir():
+        raise ValueError(f"config {path} is a folder, not a TOML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
@@ -199,6 +201,10 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
         if section == "model":
             types_["preset"] = str
         _check_keys({key: None}, types_, f"[{section}]")
+        if section == "model" and key == "preset":
+            # A preset is a new base model: model fields already set (in the file, or resolved by an earlier
+            # override) would otherwise silently win over it. Later `--set model.*` overrides still apply.
+            values["model"] = {}
         values.setdefault(section, {})[key] = parse_value(raw.strip(), types_[key], f"{section}.{key}")
     _resolve_paths(values, Path.cwd())  # a path typed on the command line is relative to where it was typed
 

@@ -71,6 +71,9 @@ def _from_gpt2_string(text: str, where: str) -> bytes:
 def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]:
     """(vocab, merges, special tokens) from a tokenizer directory: ``tokenizer.json`` first, else GPT-2 files."""
     directory = Path(directory)
+    if directory.is_file():
+        raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
+                         "train` (or one holding GPT-2 vocab.json + merges.txt)")
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
     if (directory / TOKENIZER_FILE).exists():

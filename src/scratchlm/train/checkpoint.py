@@ -235,6 +235,9 @@ def verify(path: Path) -> str | None:
         return f"{META_FILE} is unreadable ({error!r})"
     if not isinstance(version, int) or version > FORMAT_VERSION:
         return f"format_version {version!r} is not supported (this scratchlm reads up to {FORMAT_VERSION})"
+    if not isinstance(files, dict) or not all(isinstance(info, dict) and {"bytes", "sha256"} <= info.keys()
+                                              for info in files.values()):
+        return f"{META_FILE} is malformed: 'files' must map each file name to its bytes and sha256"
     for name, info in files.items():
         file = Path(path) / name
         if not file.is_file():
