@@ -53,7 +53,7 @@ class ActivationElements:
     attention_scores: int  # the h·T² terms: the softmax output, kept once (ours); scores + probs (cs336)
     ffn: int  # FFN input (T·d) and the T·d_ff-sized gate/up/SiLU tensors
     final_norm: int  # ln_final internals and the LM head input
-    logits: int  # what the loss keeps: T·V-sized shifted logits and their exp (ours); logits + loss (cs336)
+    logits: int  # what the loss keeps: its T·V softmax and the targets (ours); logits + loss (cs336)
 
     @property
     def total(self) -> int:
@@ -90,38 +90,32 @@ def _cs336_counts(config: ModelConfig) -> dict[str, int]:
 def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
     """What our code keeps (read from model/layers.py, attention.py, transformer.py and train/loss.py):
     - each RMSNorm/LayerNorm: its float32 input (or centered input), the normalized copy, and 1/rms (T);
-    - attention: the fused QKV matmul input, Q·(1/√d_k) and contiguous copies of Kᵀ and V (the bmm operands),
+    - attention: the Q/K/V projections' shared input, Q·(1/√d_k) and contiguous copies of Kᵀ and V (the bmm operands),
       the output projection's input (heads merged): 5·T·d; the softmax output: h·T², ONE tensor shared by the
-      softmax Function's backward and the probs @ V bmm (a pure causal mask skips the fully-masked-row
-      fix-up, so no masked copy is made; masked_fill_ writes the scores in place and QKᵀ keeps Q and K, not
-      the scores);
+      masked-softmax Function's backward and the probs @ V bmm (the Function masks and normalizes the scores
+      in place, fully masked rows included, and QKᵀ keeps Q and K, not the scores);
     - SwiGLU: its input, W1x, sigmoid(W1x), SiLU(W1x), W3x and the product: T·d + 5·T·d_ff
       (SiLU FFN: T·d + 3·T·d_ff);
     - ln_final internals (2·T·d + T) and the LM head input (T·d);
-    - cross_entropy: shifted logits (kept by gather) and their exp (2·T·V), log input (T), int64 targets (2·T).
+    - cross_entropy: its softmax (T·V) and the int64 targets (2·T), kept by its hand-written backward.
     """
     norm = config.norm != "none"
     return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=5, attn_htt=1,
                 ffn_td=1, ffn_tf=5 if config.ffn == "swiglu" else 3,
-                final_td=1 + 2 * norm, final_t=norm, logits_tv=2, logits_t=3)
+                final_td=1 + 2 * norm, final_t=norm, logits_tv=1, logits_t=2)
 
 
 def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
                         model: str = "scratchlm") -> dict[str, int]:
-    """Activations that do not grow with the batch (ours only): the concatenated QKV weight the fused matmul
-    saves (3·d² per layer, plus its bf16 cast under autocast), the RoPE cos/sin rows the rotation multiplies by
+    """Activations that do not grow with the batch (ours only): the RoPE cos/sin rows the rotation multiplies by
     (2·T·d_head per layer: in fp32 slices of each layer's table buffers, which the per-parameter static count
-    leaves out; under autocast their bf16 casts) and the inverted causal mask that masked_fill keeps (T² bytes
-    per layer; a pure causal mask needs no per-row "any key" vector)."""
+    leaves out; under autocast their bf16 casts). The causal mask is applied inside the masked-softmax Function,
+    so autograd keeps no mask, and Q/K/V are three projections, so no concatenated weight copy is kept."""
     if model == "cs336":
         return {}
-    layers, d = config.num_layers, config.d_model
     low = 4 if dtype == "fp32" else 2
-    return {
-        "fused_qkv_weights": layers * 3 * d * d * (4 if dtype == "fp32" else 6),
-        "rope_tables": layers * 2 * context * config.head_dim * low if config.position == "rope" else 0,
-        "masks": layers * context * context,
-    }
+    rope = config.num_layers * 2 * context * config.head_dim * low if config.position == "rope" else 0
+    return {"rope_tables": rope}
 
 
 @dataclass(frozen=True)

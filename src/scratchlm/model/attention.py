@@ -8,7 +8,7 @@
   reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2) instead; compat/hf.py permutes Q/K rows to map).
   cos/sin tables are precomputed once as non-persistent buffers (never saved in checkpoints).
 - `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names)
-  but one fused QKV matmul in forward; a cached lower-triangular bool mask; an optional KV cache for decoding.
+  projected separately and concatenated; a cached lower-triangular bool mask; an optional KV cache for decoding.
   `use_fused_sdpa = True` switches the attention core to torch's built-in SDPA kernel: the ONE sanctioned use of
   torch.nn.functional in model code, off by default, tested against ours; the trainer may turn it on for speed.
 """
@@ -21,27 +21,41 @@ import torch
 from torch import nn
 
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.layers import Linear, softmax
+from scratchlm.model.layers import Linear, softmax, softmax_backward
 
 
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
-    return _attention(Q, K, V, mask, rows_may_be_empty=mask is not None)
-
-
-def _attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None,
-               rows_may_be_empty: bool) -> torch.Tensor:
-    """The core; `rows_may_be_empty=False` (a pure causal mask) skips the fully-masked-row fix-up."""
     # Scaling Q (T·d_k elements) is cheaper than scaling the scores (T·T elements).
     scores = (Q * (1.0 / math.sqrt(Q.shape[-1]))) @ K.transpose(-2, -1)  # (..., T_q, T_k)
-    if mask is not None:
-        # In place is safe: the matmul's backward needs Q and K, not its output.
-        scores = scores.masked_fill_(~mask, float("-inf"))
-    probs = softmax(scores, dim=-1)  # a fully masked row is NaN here (0/0)...
-    if rows_may_be_empty:
-        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # ...and becomes zeros
+    probs = softmax(scores, dim=-1) if mask is None else _MaskedSoftmax.apply(scores, mask)
     return probs @ V
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """softmax over the last dim of `scores` with masked-out keys (mask False) at -inf, computed IN PLACE.
+
+    In place is safe because the scores are the QKᵀ matmul's output, which its backward does not need (it keeps
+    Q and K). The backward y ⊙ (dy - Σ y ⊙ dy) is already 0 wherever y is, so masked keys need no separate
+    masked-fill backward pass. A fully masked row gives zeros, not NaN: its max is clamped to a finite value
+    (so exp gives 0, not exp(-inf + inf)) and its sum of 0 is clamped away from 0.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores.masked_fill_(~mask, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+        probs = scores.sub_(row_max).exp_()
+        probs /= probs.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
+        ctx.mark_dirty(scores)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        return softmax_backward(probs, grad_probs, -1), None
 
 
 class RotaryPositionalEmbedding(nn.Module):
@@ -122,17 +136,14 @@ class MultiHeadSelfAttention(nn.Module):
         if self.use_fused_sdpa:
             out = self._fused_sdpa(q, k, v, mask, is_causal=key_padding is None and past == 0)
         else:
-            out = _attention(q, k, v, mask, rows_may_be_empty=key_padding is not None)  # (B, H, T, d_k)
+            out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, d_k)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
 
     def _project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, 3d). With autograd on (training), one GEMM against the concatenated weight beats
-        three. Without it (decoding one token at a time), re-concatenating 3·d² weights per call costs more than
-        the GEMM itself, so project three times and concatenate the small outputs instead."""
-        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if torch.is_grad_enabled():
-            return x @ torch.cat(weights).t()
-        return torch.cat([x @ w.t() for w in weights], dim=-1)
+        """x (B, T, d) -> (B, T, 3d): three projections, concatenated. One matmul against the concatenated weight
+        is no faster on large inputs, costs a 3·d² weight copy per call (most of the work when decoding one
+        token), and keeps that copy alive for backward (1.5 GB for GPT-2 XL)."""
+        return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
 
     def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:
         """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given."""
