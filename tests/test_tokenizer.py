@@ -66,6 +66,8 @@ def test_matches_tiktoken_on_fixture_files(gpt2, tik, name):
     assert gpt2.decode(ids) == text
     with open(require_shared(f"fixtures/{name}"), encoding="utf-8", newline="") as handle:
         assert list(gpt2.encode_iterable(handle)) == ids
+    gpt2.clear_cache()  # the same ids when every pre-token goes through BPE again
+    assert gpt2.encode(text) == ids
 
 
 @SETTINGS

@@ -127,6 +127,11 @@ class Tokenizer:
         self.__init__(state["vocab"], state["merges"], state["special_tokens"], cache_size=state["cache_size"])
 
     # ------------------------------------------------------------------ encoding
+    def clear_cache(self) -> None:
+        """Forget the pre-token and word caches (ids are unchanged; the next encodes run BPE from scratch)."""
+        self._cache.clear()
+        self._word_cache.clear()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of text; registered special tokens in the text become their ids and are never split."""
         try:
