@@ -63,6 +63,21 @@ def test_one_and_two_workers_give_identical_files_equal_to_encode(tokenizer, tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "one.tok", "two.tok"]
 
 
+def test_paragraph_breaks_are_safe_cuts(tokenizer, tmp_path, small_chunks):
+    # Only paragraph breaks X"\n\n"Y can be cut here; the other separators must never be cut inside.
+    separators = [".\n\nThe", "!\n\n\nA", " \n\nB", "c\n\n C", "d\n\n\tD", "e\n\n\r\nE", "f\r\n\r\nF"]
+    text = "".join(f"word{i} " * 40 + separators[i % len(separators)] for i in range(400))
+    path = tmp_path / "paragraphs.txt"
+    path.write_text(text, encoding="utf-8", newline="")
+    ranges = _plan_ranges([path], tokenizer, workers=2)
+    assert len(ranges) > 10
+    data = path.read_bytes()
+    # Every cut falls between the two newlines of printable + "\n\n" + printable (the ".\n\nThe" separator).
+    assert {data[end - 2:end + 2] for _, _, end in ranges[:-1]} == {b".\n\nT"}
+    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=2)
+    assert open_token_file(tmp_path / "o.tok").tokens.tolist() == _expected_ids(tokenizer, [path])
+
+
 def test_file_without_safe_cuts_is_one_chunk(tokenizer, tmp_path, small_chunks):
     path = tmp_path / "line.txt"
     path.write_text("word  " * 3000 + "\n\n  \n" * 2000, encoding="utf-8")

@@ -2,9 +2,11 @@
 
 Design:
 - Each input file is cut into byte ranges at *safe* points: right after a ``"\\n"`` whose neighbours are both
-  printable ASCII (and which no special token spans). There GPT-2 pre-tokenization of the whole text equals
-  that of the two halves: the newline is its own pre-token either way, and no match looks across it. So the
-  parallel result is identical to encoding each file in one go (``Tokenizer.encode`` of its whole text).
+  printable ASCII, or between the two newlines of ``X"\\n\\n"Y`` with X and Y printable ASCII (a paragraph
+  break; there the whole text's pre-tokens are X, "\\n", "\\n", Y too), and which no special token spans.
+  There GPT-2 pre-tokenization of the whole text equals that of the two halves: the newline is its own
+  pre-token either way, and no match looks across it. So the parallel result is identical to encoding each
+  file in one go (``Tokenizer.encode`` of its whole text).
 - Workers stream their range in 1 MiB blocks through an incremental UTF-8 decoder into
   ``Tokenizer.encode_stream`` and write a part token file; the parent appends the parts in order to the output
   through ``TokenFileWriter``, so the output appears, complete, only at the end. Parts live in a temporary
@@ -217,9 +219,12 @@ def _next_safe_cut(handle, position: int, size: int, specials: list[bytes]) -> i
         handle.seek(position - 1)
         window = handle.read(_CUT_SEARCH_WINDOW + 1)
         newline = window.find(b"\n", 1)
-        while 0 < newline < len(window) - 1:
+        while 0 < newline < len(window) - 2:
             cut = position - 1 + newline + 1
-            if (window[newline - 1] in _SAFE_NEIGHBOURS and window[newline + 1] in _SAFE_NEIGHBOURS
+            after = window[newline + 1]
+            line_break = after in _SAFE_NEIGHBOURS
+            paragraph_break = after == 0x0A and window[newline + 2] in _SAFE_NEIGHBOURS
+            if (window[newline - 1] in _SAFE_NEIGHBOURS and (line_break or paragraph_break)
                     and not _special_spans(handle, cut, specials)):
                 return cut
             newline = window.find(b"\n", newline + 1)
