@@ -271,6 +271,8 @@ def test_resume_world_2_at_world_1(spawned, data, tmp_path):
     shutil.copytree(spawned / "run_rank0", run)
     assert cli_main(["train", *train_args(data, run, steps=6), "--resume", "--quiet"]) == 0
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    # 4 steps on 2 ranks, then 2 on one: the token count carries over instead of being recomputed from steps.
+    assert metrics(run)[-1]["tokens"] == 4 * 16 * (4 * WORLD_SIZE + 2)
     assert [r["step"] for r in metrics(run, "eval")] == [2, 4, 6]
 
 

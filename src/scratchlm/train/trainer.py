@@ -61,6 +61,7 @@ class LoopState:
     """The loop's running values, saved in every checkpoint's ``extra`` so a resume continues them exactly."""
 
     step: int = 0
+    tokens: int = 0  # trained so far, across resumes (the world size, so tokens per step, may change on resume)
     wall_time: float = 0.0  # seconds of training so far, across resumes
     best_val_loss: float | None = None
     last_train_loss: float | None = None
@@ -355,6 +356,7 @@ class _Loop:
             loss, grad_norm = train_step(self.model, self.optimizer, batches, lr=lr,
                                          grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype)
             self.state.step += 1
+            self.state.tokens += self.tokens_per_step
             step, final = self.state.step, self.state.step == cfg.max_steps
             self.watch.update(step, loss, grad_norm)
             self.window_loss += loss
@@ -408,7 +410,7 @@ class _Loop:
         if self.logger is None:
             return
         mfu = steps * self.step_flops / seconds / self.peak_flops if self.peak_flops else None
-        self.logger.log({"kind": "train", "step": self.state.step, "tokens": self.state.step * self.tokens_per_step,
+        self.logger.log({"kind": "train", "step": self.state.step, "tokens": self.state.tokens,
                          "wall_time": self._wall_time(), "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
 
@@ -424,7 +426,7 @@ class _Loop:
         best = self.state.best_val_loss
         if math.isfinite(val_loss) and (best is None or val_loss < best):
             self.state.best_val_loss = val_loss
-        self.logger.log({"kind": "eval", "step": self.state.step, "tokens": self.state.step * self.tokens_per_step,
+        self.logger.log({"kind": "eval", "step": self.state.step, "tokens": self.state.tokens,
                          "wall_time": self._wall_time(), "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
         self._plot()
 
