@@ -3,8 +3,10 @@
 Phase 1 (``counting.py``) reduces the corpus to counts of distinct pre-tokens ("words"). Phase 2, here,
 learns the merges on those words without ever rescanning the corpus:
 
-* each word is a tuple of token ids with its count; ``pair_counts`` holds the weighted count of every
-  adjacent pair and ``where`` maps a pair to the indices of the words that (may) contain it;
+* each word is a list of token ids (rewritten in place) with its count; ``pair_counts`` holds the weighted
+  count of every adjacent pair and ``where`` maps a pair to a list of the indices of the words that (may)
+  contain it. The index is lazy: a word stays listed under pairs it lost, and is listed once per occurrence,
+  since a list append is much cheaper than keeping exact sets, and a stale entry costs one ``list.count``;
 * a merge rewrites only the words listed under the merged pair, and changes only the counts of pairs in
   those words, by the difference between their old and new pairs (so the cost of a merge is proportional to
   the words it touches, never to the corpus);
@@ -72,25 +74,26 @@ def train_bpe_from_counts(
     special_tokens = validate_special_tokens(special_tokens)
     _check_vocab_size(vocab_size, special_tokens)
     vocab = initial_vocab(special_tokens)
-    words: list[tuple[int, ...]] = []
+    words: list[list[int]] = []
     counts: list[int] = []
     for text, count in word_counts.items():
         encoded = text.encode("utf-8")
         if len(encoded) > 1:  # a single byte has no pair to merge
-            words.append(tuple(encoded))
+            words.append(list(encoded))
             counts.append(count)
     merges = _learn_merges(words, counts, vocab, vocab_size - len(vocab), progress)
     return vocab, merges
 
 
-def _count_pairs(words: list[tuple[int, ...]], counts: list[int]) -> tuple[dict, dict]:
+def _count_pairs(words: list[list[int]], counts: list[int]) -> tuple[dict, dict]:
+    """Weighted counts of every adjacent pair, and for each pair the indices of the words holding it."""
     pair_counts: dict[tuple[int, int], int] = {}
-    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
+    where: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
     for index, (word, count) in enumerate(zip(words, counts)):
         for pair in zip(word, word[1:]):
             pair_counts[pair] = pair_counts.get(pair, 0) + count
-            where[pair].add(index)
-    return pair_counts, where
+            where[pair].append(index)
+    return pair_counts, dict(where)
 
 
 def _pop_best(heap: list, pair_counts: dict) -> tuple[int, int] | None:
@@ -108,8 +111,8 @@ def _pop_best(heap: list, pair_counts: dict) -> tuple[int, int] | None:
     return None
 
 
-def _occurrences(word: tuple[int, ...], a: int, b: int) -> list[int]:
-    """Start positions of the pair (a, b) in `word`, non-overlapping, left to right (tuple.index runs in C)."""
+def _occurrences(word: list[int], a: int, b: int) -> list[int]:
+    """Start positions of the pair (a, b) in `word`, non-overlapping, left to right (list.index runs in C)."""
     found = []
     remaining = word.count(a)
     last = len(word) - 1
@@ -128,58 +131,78 @@ def _occurrences(word: tuple[int, ...], a: int, b: int) -> list[int]:
 
 
 def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> set[tuple[int, int]]:
-    """Rewrite the words holding `pair`, updating pair counts only around each occurrence.
+    """Rewrite the words holding `pair` in place, then move the pair counts around the occurrences in bulk.
 
     Around an occurrence at i, the pairs (word[i-1], a) and (b, word[i+2]) lose the word's count and
     (word[i-1], new) and (new, word[i+2]) gain it; back-to-back occurrences turn (b, a) into (new, new).
-    Pairs that lose never contain `new_id` and pairs that gain always do, so the set of gaining pairs is
-    returned for the heap. The index is lazy: a word stays listed under pairs it lost.
+    So one list of word indices per distinct neighbour (one entry per occurrence) is all a merge needs to
+    record per occurrence; the counts are then moved once per neighbour (``_move_counts``), which is far
+    cheaper than updating two dicts and a set per occurrence. The gaining pairs are returned for the heap.
     """
     a, b = pair
     pair_counts.pop(pair, None)
-    gained: set[tuple[int, int]] = set()
-    get_count = pair_counts.get
+    lefts: defaultdict[int, list[int]] = defaultdict(list)  # left neighbour -> indices of words, per occurrence
+    rights: defaultdict[int, list[int]] = defaultdict(list)
+    doubles: list[int] = []  # words with back-to-back occurrences, once per (b, a) between them
     for index in where.pop(pair, ()):
         word = words[index]
-        end = len(word)
         if word.count(a) == 1:  # the common case, done without the general scan
             i = word.index(a)
-            if i + 1 == end or word[i + 1] != b:  # the word lost this pair in an earlier merge
+            end = len(word)
+            if i + 1 == end or word[i + 1] != b:  # a stale index entry: the word lost this pair earlier
                 continue
-            found = (i,)
+            if i:
+                lefts[word[i - 1]].append(index)
+            if i + 2 < end:
+                rights[word[i + 2]].append(index)
+            word[i] = new_id
+            del word[i + 1]
         else:
-            found = _occurrences(word, a, b)
-            if not found:
-                continue
-        count = counts[index]
-        merged = word[: found[0]]
-        # (lost, gained) neighbour pairs of each occurrence, then their counts are moved (this is the hot loop).
-        changes = []
-        for k, i in enumerate(found):
-            if i > 0:
-                if k > 0 and found[k - 1] + 2 == i:
-                    changes.append(((b, a), (new_id, new_id)))
-                else:
-                    left = word[i - 1]
-                    changes.append(((left, a), (left, new_id)))
-            following = found[k + 1] if k + 1 < len(found) else end
-            if i + 2 < end and following != i + 2:
-                right = word[i + 2]
-                changes.append(((b, right), (new_id, right)))
-            merged += (new_id,) + word[i + 2 : following]
-        words[index] = merged
-        for lost, new_pair in changes:
-            total = get_count(lost)
-            if total is not None:  # None: (a, a) beside a merged (a, a), i.e. the merged pair, already dropped
-                if total > count:
-                    pair_counts[lost] = total - count
-                else:
-                    del pair_counts[lost]
-                    where.pop(lost, None)
-            pair_counts[new_pair] = get_count(new_pair, 0) + count
-            where[new_pair].add(index)
-            gained.add(new_pair)
+            _merge_occurrences(word, index, a, b, new_id, lefts, rights, doubles)
+    gained: set[tuple[int, int]] = set()
+    for left, indices in lefts.items():
+        gained.add(_move_counts((left, a), (left, new_id), indices, counts, where, pair_counts))
+    for right, indices in rights.items():
+        gained.add(_move_counts((b, right), (new_id, right), indices, counts, where, pair_counts))
+    if doubles:
+        gained.add(_move_counts((b, a), (new_id, new_id), doubles, counts, where, pair_counts))
     return gained
+
+
+def _merge_occurrences(word: list[int], index: int, a: int, b: int, new_id: int, lefts, rights, doubles) -> None:
+    """The general case of ``_apply_merge``: any number of (possibly back-to-back or (a, a)) occurrences."""
+    found = _occurrences(word, a, b)
+    end = len(word)
+    for k, i in enumerate(found):
+        if i > 0:
+            if k > 0 and found[k - 1] + 2 == i:
+                doubles.append(index)
+            else:
+                lefts[word[i - 1]].append(index)
+        if i + 2 < end and (k + 1 == len(found) or found[k + 1] != i + 2):
+            rights[word[i + 2]].append(index)
+    for i in reversed(found):  # right to left, so the earlier positions stay valid
+        word[i] = new_id
+        del word[i + 1]
+
+
+def _move_counts(lost, gain, indices: list[int], counts, where, pair_counts) -> tuple[int, int]:
+    """Move the weight of the words in `indices` (one entry per occurrence) from pair `lost` to pair `gain`."""
+    moved = sum(map(counts.__getitem__, indices))
+    total = pair_counts.get(lost)
+    if total is not None:  # None: (a, a) beside a merged (a, a), i.e. the merged pair, already dropped
+        if total > moved:
+            pair_counts[lost] = total - moved
+        else:
+            del pair_counts[lost]
+            where.pop(lost, None)
+    pair_counts[gain] = pair_counts.get(gain, 0) + moved
+    listed = where.get(gain)
+    if listed is None:
+        where[gain] = indices
+    else:  # only when the new token reuses an earlier token's id (same bytes)
+        listed.extend(indices)
+    return gain
 
 
 def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) -> Merges:
