@@ -87,12 +87,12 @@ def train_bpe_from_counts(
 
 def _count_pairs(words: list[list[int]], counts: list[int]) -> tuple[dict, dict]:
     """Weighted counts of every adjacent pair, and for each pair the indices of the words holding it."""
-    pair_counts: dict[tuple[int, int], int] = {}
     where: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
-    for index, (word, count) in enumerate(zip(words, counts)):
+    for index, word in enumerate(words):
         for pair in zip(word, word[1:]):
-            pair_counts[pair] = pair_counts.get(pair, 0) + count
-            where[pair].append(index)
+            where[pair].append(index)  # once per occurrence, so summing the words' counts weighs each one
+    weight = counts.__getitem__
+    pair_counts = {pair: sum(map(weight, indices)) for pair, indices in where.items()}
     return pair_counts, dict(where)
 
 
@@ -146,7 +146,8 @@ def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> set[tuple[i
     doubles: list[int] = []  # words with back-to-back occurrences, once per (b, a) between them
     for index in where.pop(pair, ()):
         word = words[index]
-        if word.count(a) == 1:  # the common case, done without the general scan
+        occurrences_of_a = word.count(a)
+        if occurrences_of_a == 1:  # the common case, done without the general scan
             i = word.index(a)
             end = len(word)
             if i + 1 == end or word[i + 1] != b:  # a stale index entry: the word lost this pair earlier
@@ -157,7 +158,7 @@ def _apply_merge(pair, new_id, words, counts, where, pair_counts) -> set[tuple[i
                 rights[word[i + 2]].append(index)
             word[i] = new_id
             del word[i + 1]
-        else:
+        elif occurrences_of_a:  # else a stale index entry
             _merge_occurrences(word, index, a, b, new_id, lefts, rights, doubles)
     gained: set[tuple[int, int]] = set()
     for left, indices in lefts.items():
