@@ -230,8 +230,11 @@ class Tokenizer:
 
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
         """Ids of " " + word (a complete chunk), through the word cache."""
+        chunk = " " + word
+        # An ASCII word of letters or of digits is one GPT-2 pre-token (`` ?\p{L}+`` or `` ?\p{N}+``).
+        simple = word.isascii() and (word.isalpha() or word.isdigit())
         ids: list[int] = []
-        self._encode_pretokens(GPT2_SPLIT_REGEX.findall(" " + word), ids)
+        self._encode_pretokens([chunk] if simple else GPT2_SPLIT_REGEX.findall(chunk), ids)
         result = tuple(ids)
         if len(word) <= _MAX_CACHED_CHARS:
             if len(self._word_cache) >= self._cache_size:
