@@ -153,7 +153,7 @@ def test_gpt2_xl_max_batch_on_80gb():
     assert max_batch_size(config, 1024, memory) == 3
     ours = estimate_memory(config, 1024, 1)
     assert ours.activation_total == pytest.approx(14.90e9, rel=0.001)
-    assert ours.static + 3 * ours.activation_total == pytest.approx(78.76e9, rel=0.001)
+    assert ours.static + 3 * ours.activation_total == pytest.approx(78.75e9, rel=0.001)
     cs336 = estimate_memory(config, 1024, 1, activation_model="cs336")
     assert cs336.static == 16 * count_params(config).total
     assert cs336.activation_total == pytest.approx(15.31e9, rel=0.001)

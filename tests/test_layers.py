@@ -155,7 +155,7 @@ def test_rope_matches_complex_rotation_with_batched_positions():
     assert_close(rope(x, positions), _rope_via_complex(x, positions, 10_000.0), atol=1e-5, rtol=1e-5)
     shared = torch.arange(5)  # one position vector broadcast over the batch
     assert_close(rope(x, shared), _rope_via_complex(x, shared.expand(2, 3, 5), 10_000.0), atol=1e-5, rtol=1e-5)
-    assert "cos" not in rope.state_dict() and "sin" not in rope.state_dict()
+    assert "rotations" not in rope.state_dict()
 
 
 def test_rope_preserves_relative_position_dot_products():

@@ -143,6 +143,16 @@ def test_agrees_with_reference_encoder_on_a_small_vocab():
         assert tokenizer.encode(text) == reference_encode(text, tokenizer.vocab, merges, specials)
 
 
+def test_matches_tiktoken_where_word_ends_decide_the_split(gpt2, tik):
+    # The hot loop decides "ends in whitespace" by a table for ASCII (must equal regex's \s, which unlike
+    # str.isspace excludes \x1c-\x1f) and treats ASCII letter/digit words as one pre-token without the regex.
+    ends = [chr(c) for c in range(128)] + ["\x85", "\xa0", "\u2028", "\u3000", "é", "٣"]
+    words = [f"ab{end}" for end in ends] + ["word", "12345", "x9", "déjà", "٣٤", "ｗｏｒｄ", "it's"]
+    text = " ".join(words + [f"{a} {b}" for a in words[::7] for b in words[::5]])
+    gpt2.clear_cache()
+    assert gpt2.encode_ordinary(text) == tik.encode_ordinary(text)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=0, max_size=300), st.randoms(use_true_random=False))
 def test_heap_merging_equals_scan_merging(symbols, rng):

@@ -107,14 +107,13 @@ def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
 
 def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
                         model: str = "scratchlm") -> dict[str, int]:
-    """Activations that do not grow with the batch (ours only): the RoPE cos/sin rows the rotation multiplies by
-    (2·T·d_head per layer: in fp32 slices of each layer's table buffers, which the per-parameter static count
-    leaves out; under autocast their bf16 casts). The causal mask is applied inside the masked-softmax Function,
-    so autograd keeps no mask, and Q/K/V are three projections, so no concatenated weight copy is kept."""
+    """Activations that do not grow with the batch (ours only): the RoPE rotations the complex multiply keeps
+    (a complex64 slice of each layer's table buffer, T·d_head/2 · 8 bytes, shared by Q and K; the per-parameter
+    static count leaves buffers out). The causal mask is applied inside the masked-softmax Function, so autograd
+    keeps no mask, and Q/K/V are three projections, so no concatenated weight copy is kept."""
     if model == "cs336":
         return {}
-    low = 4 if dtype == "fp32" else 2
-    rope = config.num_layers * 2 * context * config.head_dim * low if config.position == "rope" else 0
+    rope = config.num_layers * context * config.head_dim * 4 if config.position == "rope" else 0
     return {"rope_tables": rope}
 
 

@@ -6,9 +6,9 @@
   there would still poison the backward pass and reductions.
 - `RotaryPositionalEmbedding`: rotates ADJACENT pairs (x₂ᵢ, x₂ᵢ₊₁) by angle pos · θ^(-2i/d_k), as the CS336
   reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2) instead; compat/hf.py permutes Q/K rows to map).
-  cos/sin tables are precomputed once as non-persistent buffers (never saved in checkpoints).
+  the e^(i·angle) table is precomputed once as a non-persistent buffer (never saved in checkpoints).
 - `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names)
-  projected separately and concatenated; a cached lower-triangular bool mask; an optional KV cache for decoding.
+  projected separately; a cached lower-triangular bool mask; an optional KV cache for decoding.
   `use_fused_sdpa = True` switches the attention core to torch's built-in SDPA kernel: the ONE sanctioned use of
   torch.nn.functional in model code, off by default, tested against ours; the trainer may turn it on for speed.
 """
@@ -68,21 +68,20 @@ class RotaryPositionalEmbedding(nn.Module):
         self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
         inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.int64).float() / d_k)
         angles = torch.arange(max_seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (S, d_k/2)
-        # Tables laid out per element, not per pair, so the rotation is two contiguous multiplies:
-        # out = x ⊙ cos + swap_pairs(x) ⊙ sin, with cos = (c₀, c₀, c₁, c₁, ...), sin = (-s₀, s₀, -s₁, s₁, ...).
-        self.register_buffer("cos", angles.cos().repeat_interleave(2, dim=-1), persistent=False)  # (S, d_k)
-        self.register_buffer("sin", torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2),
-                             persistent=False)
+        # Each adjacent pair (x₂ᵢ, x₂ᵢ₊₁) is the complex number x₂ᵢ + i·x₂ᵢ₊₁; rotating it by the angle is one complex
+        # multiply by e^(i·angle): a single fused op instead of the four of x ⊙ cos + swap_pairs(x) ⊙ sin.
+        self.register_buffer("rotations", torch.polar(torch.ones_like(angles), angles), persistent=False)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         """token_positions None means positions start, start+1, ...: a table slice instead of a gather."""
         if token_positions is None:
-            T = x.shape[-2]
-            cos, sin = self.cos[start:start + T], self.sin[start:start + T]  # (T, d_k)
+            rotations = self.rotations[start:start + x.shape[-2]]  # (T, d_k/2) complex
         else:
-            cos, sin = self.cos[token_positions], self.sin[token_positions]  # (..., T, d_k)
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x₁, x₀, x₃, x₂, ...)
-        return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
+            rotations = self.rotations[token_positions]  # (..., T, d_k/2) complex
+        # Complex arithmetic needs float32/64 pairs (bf16/fp16 have no complex type): upcast, rotate, cast back.
+        real = torch.float64 if x.dtype == torch.float64 else torch.float32
+        pairs = torch.view_as_complex(x.to(real).unflatten(-1, (-1, 2)).contiguous())  # (..., T, d_k/2)
+        return torch.view_as_real(pairs * rotations.to(pairs.dtype)).flatten(-2).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
@@ -97,7 +96,7 @@ class MultiHeadSelfAttention(nn.Module):
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if theta is not None and max_seq_len is None:
-            raise ValueError("RoPE (theta given) needs max_seq_len for its cos/sin tables")
+            raise ValueError("RoPE (theta given) needs max_seq_len for its rotation table")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
         self.max_seq_len = max_seq_len
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
@@ -122,14 +121,12 @@ class MultiHeadSelfAttention(nn.Module):
         """
         T = x.shape[-2]
         past = kv_cache.length if kv_cache is not None else 0
-        qkv = self._project_qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, H, d_k)
-        qkv = qkv.movedim(-3, 0).transpose(-3, -2)  # (3, B, H, T, d_k), a view
-        q, k, v = qkv.unbind(0)
+        q, k, v = (self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, T, d_k)
         if self.rope is not None:
             positions = token_positions
             if positions is not None and positions.dim() > 1:
                 positions = positions.unsqueeze(-2)  # (B, 1, T): broadcast over heads
-            q, k = self.rope(qkv[:2], positions, start=past).unbind(0)  # Q and K rotated in one pass
+            q, k = self.rope(q, positions, start=past), self.rope(k, positions, start=past)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_index, k, v)  # (B, H, past + T, d_k)
         mask = self._mask(T, past, key_padding, x.device)
@@ -139,11 +136,11 @@ class MultiHeadSelfAttention(nn.Module):
             out = scaled_dot_product_attention(q, k, v, mask)  # (B, H, T, d_k)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
 
-    def _project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, 3d): three projections, concatenated. One matmul against the concatenated weight
-        is no faster on large inputs, costs a 3·d² weight copy per call (most of the work when decoding one
-        token), and keeps that copy alive for backward (1.5 GB for GPT-2 XL)."""
-        return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """(B, T, d_model) -> (B, H, T, d_k), a view. Q, K and V are three projections: one matmul against the
+        concatenated weights is no faster on large inputs, copies 3·d² weights per call (most of the work when
+        decoding one token), keeps that copy alive for backward, and its split costs a copy in backward."""
+        return projected.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
     def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:
         """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given."""

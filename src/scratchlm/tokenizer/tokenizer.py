@@ -38,6 +38,7 @@ _LOOKAHEAD_CHARS = 3
 # Longer pre-tokens and words are not cached (they are rare, and would make the bounded caches large).
 _MAX_CACHED_CHARS = 64
 _WHITESPACE = regex.compile(r"\s")
+_ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
 _NO_MERGE = (float("inf"), -1)  # sorts after every real (rank, merged id)
 # Pieces longer than this use heap merging; below it a linear scan per merge is faster.
 _HEAP_MERGE_MIN_BYTES = 256
@@ -231,11 +232,13 @@ class Tokenizer:
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
         """Ids of " " + word (a complete chunk), through the word cache."""
         chunk = " " + word
-        # An ASCII word of letters or of digits is one GPT-2 pre-token (`` ?\p{L}+`` or `` ?\p{N}+``).
-        simple = word.isascii() and (word.isalpha() or word.isdigit())
-        ids: list[int] = []
-        self._encode_pretokens([chunk] if simple else GPT2_SPLIT_REGEX.findall(chunk), ids)
-        result = tuple(ids)
+        if word.isascii() and (word.isalpha() or word.isdigit()):
+            # One GPT-2 pre-token (`` ?\p{L}+`` or `` ?\p{N}+``): no regex needed.
+            result = self._cache.get(chunk) or self._encode_new_piece(chunk)
+        else:
+            ids: list[int] = []
+            self._encode_pretokens(GPT2_SPLIT_REGEX.findall(chunk), ids)
+            result = tuple(ids)
         if len(word) <= _MAX_CACHED_CHARS:
             if len(self._word_cache) >= self._cache_size:
                 self._word_cache.clear()
@@ -244,18 +247,21 @@ class Tokenizer:
 
     def _encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         """Append the ids of each pre-token to out, through the pre-token cache."""
-        cache = self._cache
-        lookup = cache.get
+        lookup = self._cache.get
         extend = out.extend
         for piece in pretokens:
             ids = lookup(piece)
-            if ids is None:
-                ids = self._encode_piece(piece)
-                if len(cache) >= self._cache_size:
-                    cache.clear()  # bounded memory; natural text refills the frequent pieces at once
-                if len(piece) <= _MAX_CACHED_CHARS:
-                    cache[piece] = ids
-            extend(ids)
+            extend(self._encode_new_piece(piece) if ids is None else ids)
+
+    def _encode_new_piece(self, piece: str) -> tuple[int, ...]:
+        """BPE of a pre-token missing from the cache, which then remembers it."""
+        ids = self._encode_piece(piece)
+        cache = self._cache
+        if len(cache) >= self._cache_size:
+            cache.clear()  # bounded memory; natural text refills the frequent pieces at once
+        if len(piece) <= _MAX_CACHED_CHARS:
+            cache[piece] = ids
+        return ids
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates)."""
@@ -439,7 +445,10 @@ def _merge_with_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int
 
 def _ends_in_whitespace(word: str) -> bool:
     """Whether word's last character is whitespace in the GPT-2 pattern's sense (regex ``\\s``)."""
-    return _WHITESPACE.match(word, len(word) - 1) is not None
+    last = word[-1]
+    if last.isascii():  # nearly always; a set lookup is cheaper than a regex call
+        return last in _ASCII_WHITESPACE
+    return _WHITESPACE.match(last) is not None
 
 
 def _last_space_boundary(text: str) -> int:
