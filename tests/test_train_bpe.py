@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import require_shared
 from scratchlm.cli import main
-from scratchlm.tokenizer.counting import count_pretokens, plan_chunks
+from scratchlm.tokenizer.counting import count_pretokens, plan_chunks, word_aligned_parts
+from scratchlm.tokenizer.pretokenize import pretokens
 from scratchlm.tokenizer.reference import (
     reference_encode,
     reference_pretoken_counts,
@@ -123,6 +124,15 @@ def test_chunked_counting_equals_whole_text_counting(tmp_path_factory, corpus, r
     path = write(tmp_path_factory.mktemp("chunks"), text)
     counted = count_pretokens([path], specials, num_workers=1, chunk_bytes=chunk_bytes, parallel_threshold=0)
     assert counted == reference_pretoken_counts(text, specials)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", " ", "  ", "\n", "\t", ".", "'s", "1", "é", "日", "\u00a0", "\x1f"]),
+                max_size=100).map("".join), st.integers(1, 12))
+def test_word_aligned_parts_keep_the_pretokens_of_the_whole(text, size):
+    parts = list(word_aligned_parts(text, size))
+    assert "".join(parts) == text
+    assert [t for part in parts for t in pretokens(part)] == pretokens(text)
 
 
 def test_chunks_cover_the_file_and_never_split_a_special(tmp_path):

@@ -39,6 +39,7 @@ DEFAULT_CHUNK_BYTES = 8 * 2**20  # upper bound on what one worker holds at a tim
 PARALLEL_THRESHOLD_BYTES = 2**20  # below this, forking workers costs more than it saves
 WINDOW_BYTES = 64 * 2**10  # how far a boundary search reads at a time
 CHUNKS_PER_WORKER = 4  # more chunks than workers balance the load
+PART_CHARS = 2**16  # text pre-tokenized by one findall call: bounds the list of pre-tokens it builds
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,25 @@ def count_chunk(task: tuple[Chunk, list[str], str]) -> Counter[str]:
     counts: Counter[str] = Counter()
     for piece, is_special in split_on_special_tokens(text, special_token_regex(special_tokens)):
         if not is_special:
-            counts.update(GPT2_SPLIT_REGEX.findall(piece))
+            for part in word_aligned_parts(piece):
+                counts.update(GPT2_SPLIT_REGEX.findall(part))
     return counts
+
+
+def word_aligned_parts(text: str, size: int = PART_CHARS) -> Iterator[str]:
+    """`text` in parts of about `size` characters, each cut just before a space that follows a printable ASCII
+    character. A GPT-2 pre-token always starts there (no pattern reaches back across it), so the pre-tokens of
+    the parts are those of the whole text, while the list `findall` builds stays small (bounded memory)."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.find(" ", start + size)
+        while cut != -1 and not "!" <= text[cut - 1] <= "~":
+            cut = text.find(" ", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def default_num_workers() -> int:
