@@ -143,12 +143,18 @@ def test_agrees_with_reference_encoder_on_a_small_vocab():
         assert tokenizer.encode(text) == reference_encode(text, tokenizer.vocab, merges, specials)
 
 
-def test_matches_tiktoken_where_word_ends_decide_the_split(gpt2, tik):
-    # The hot loop decides "ends in whitespace" by a table for ASCII (must equal regex's \s, which unlike
-    # str.isspace excludes \x1c-\x1f) and treats ASCII letter/digit words as one pre-token without the regex.
+def test_word_ends_decide_the_split_as_the_regex_does(gpt2, tik):
+    """The hot loop decides "ends in whitespace" by a table for ASCII (regex's \\s, which unlike str.isspace
+    excludes \\x1c-\\x1f) and encodes ASCII letter or digit words as one pre-token without the regex. A toy vocab
+    where every character merges with a following space makes a wrong split change the ids."""
     ends = [chr(c) for c in range(128)] + ["\x85", "\xa0", "\u2028", "\u3000", "é", "٣"]
     words = [f"ab{end}" for end in ends] + ["word", "12345", "x9", "déjà", "٣٤", "ｗｏｒｄ", "it's"]
-    text = " ".join(words + [f"{a} {b}" for a in words[::7] for b in words[::5]])
+    text = " ".join(words) + "  ".join(words) + "".join(f"{a}  {b}   {a}" for a in words[::3] for b in words[::7])
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = [(end.encode(), b" ") for end in ends if end.isascii()] + [(b"a", b"b"), (b" ", b"ab")]
+    for left, right in merges:
+        vocab[len(vocab)] = left + right
+    assert Tokenizer(vocab, merges).encode(text) == reference_encode(text, vocab, merges)
     gpt2.clear_cache()
     assert gpt2.encode_ordinary(text) == tik.encode_ordinary(text)
 
