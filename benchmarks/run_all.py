@@ -56,6 +56,8 @@ def run_one(script: Path, quick: bool) -> tuple[str, str, float, int]:
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     output = proc.stdout + (f"\n(stderr)\n{proc.stderr[-3000:]}" if proc.returncode else "")
+    # A benchmark's own "## " headings become "### ": "## " starts one benchmark's section in the document.
+    output = "\n".join("#" + line if line.startswith("## ") else line for line in output.splitlines())
     return command, output, time.perf_counter() - start, proc.returncode
 
 
