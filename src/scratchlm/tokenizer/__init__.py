@@ -1,7 +1,18 @@
-"""tokenizer stage of scratchlm: byte-level BPE training, encoding and tokenizer files."""
+"""tokenizer stage of scratchlm: byte-level BPE training, encoding and tokenizer files.
+
+`Tokenizer` is imported on first use, so that training a tokenizer (a short-lived process) does not pay for the
+encoder's imports.
+"""
 
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
-from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.tokenizer.train_bpe import train_bpe
 
 __all__ = ["GPT2_SPLIT_PATTERN", "Tokenizer", "train_bpe"]
+
+
+def __getattr__(name: str):
+    if name == "Tokenizer":
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        return Tokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,13 +24,16 @@ the byte offset of the first invalid byte; ``"replace"`` substitutes U+FFFD, as 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import multiprocessing.context
 
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_REGEX, special_token_regex, split_on_special_tokens
 
@@ -162,6 +165,8 @@ def default_num_workers() -> int:
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
+    import multiprocessing  # here, not at the top: small inputs are counted in-process and never need it
+
     # fork starts a worker in milliseconds with the modules already imported; spawn re-imports everything.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     return multiprocessing.get_context(method)
