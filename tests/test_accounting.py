@@ -66,7 +66,8 @@ def _counted_matmul_flops(model: TransformerLM, tokens: torch.Tensor) -> int:
     with FlopCounterMode(display=False) as counter:
         model(tokens)
     counts = counter.get_flop_counts()["Global"]
-    matmuls = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.matmul}
+    aten = torch.ops.aten
+    matmuls = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul}
     assert set(counts) <= matmuls, f"unexpected counted ops {set(counts) - matmuls}"
     return sum(counts.values())
 

@@ -21,20 +21,33 @@ import torch
 from torch import nn
 
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.layers import Linear, softmax, softmax_backward
+from scratchlm.model.layers import Linear, softmax_backward
 
 
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
-    # Scaling Q (T·d_k elements) is cheaper than scaling the scores (T·T elements).
-    scores = (Q * (1.0 / math.sqrt(Q.shape[-1]))) @ K.transpose(-2, -1)  # (..., T_q, T_k)
-    probs = softmax(scores, dim=-1) if mask is None else _MaskedSoftmax.apply(scores, mask)
-    return probs @ V
+    *batch, T_q, d_k = Q.shape
+    T_k = K.shape[-2]
+    q, k, v = Q.reshape(-1, T_q, d_k), K.reshape(-1, T_k, d_k), V.reshape(-1, T_k, V.shape[-1])
+    # One baddbmm computes bias + QKᵀ/√d_k: the scale and the mask ride along with the matmul instead of costing
+    # their own passes over Q and over the (T_q, T_k) scores.
+    scores = torch.baddbmm(_additive_mask(mask, batch, T_q, T_k, q), q, k.transpose(-2, -1),
+                           alpha=1.0 / math.sqrt(d_k))  # (b, T_q, T_k)
+    return (_InPlaceSoftmax.apply(scores) @ v).reshape(*batch, T_q, v.shape[-1])
 
 
-class _MaskedSoftmax(torch.autograd.Function):
-    """softmax over the last dim of `scores` with masked-out keys (mask False) at -inf, computed IN PLACE.
+def _additive_mask(mask: torch.Tensor | None, batch: list[int], T_q: int, T_k: int,
+                   like: torch.Tensor) -> torch.Tensor:
+    """0 where a query may attend, -inf where not, as (b, T_q, T_k) (a broadcast view when the mask allows)."""
+    if mask is None:
+        return like.new_zeros(())
+    bias = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
+    return bias.expand(*batch, T_q, T_k).reshape(-1, T_q, T_k)
+
+
+class _InPlaceSoftmax(torch.autograd.Function):
+    """softmax over the last dim of `scores`, computed IN PLACE; masked-out keys arrive as -inf.
 
     In place is safe because the scores are the QKᵀ matmul's output, which its backward does not need (it keeps
     Q and K). The backward y ⊙ (dy - Σ y ⊙ dy) is already 0 wherever y is, so masked keys need no separate
@@ -43,8 +56,7 @@ class _MaskedSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        scores.masked_fill_(~mask, float("-inf"))
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
         row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
         probs = scores.sub_(row_max).exp_()
         probs /= probs.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny)
@@ -55,7 +67,7 @@ class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs: torch.Tensor):
         (probs,) = ctx.saved_tensors
-        return softmax_backward(probs, grad_probs, -1), None
+        return softmax_backward(probs, grad_probs, -1)
 
 
 class RotaryPositionalEmbedding(nn.Module):
