@@ -90,10 +90,10 @@ def _cs336_counts(config: ModelConfig) -> dict[str, int]:
 def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
     """What our code keeps (read from model/layers.py, attention.py, transformer.py and train/loss.py):
     - each RMSNorm/LayerNorm: its float32 input (or centered input), the normalized copy, and 1/rms (T);
-    - attention: the Q/K/V projections' shared input, Q·(1/√d_k) and contiguous copies of Kᵀ and V (the bmm operands),
-      the output projection's input (heads merged): 5·T·d; the softmax output: h·T², ONE tensor shared by the
-      masked-softmax Function's backward and the probs @ V bmm (the Function masks and normalizes the scores
-      in place, fully masked rows included, and QKᵀ keeps Q and K, not the scores);
+    - attention: the Q/K/V projections' shared input, contiguous copies of Q, Kᵀ and V (the batched-matmul
+      operands) and the output projection's input (heads merged): 5·T·d; the softmax output: h·T², ONE tensor
+      shared by the in-place softmax's backward and the probs @ V bmm (the mask and 1/√d_k ride along in the
+      QKᵀ baddbmm, whose backward keeps Q and K, not the scores);
     - SwiGLU: its input, W1x, sigmoid(W1x), SiLU(W1x), W3x and the product: T·d + 5·T·d_ff
       (SiLU FFN: T·d + 3·T·d_ff);
     - ln_final internals (2·T·d + T) and the LM head input (T·d);
@@ -109,8 +109,8 @@ def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
                         model: str = "scratchlm") -> dict[str, int]:
     """Activations that do not grow with the batch (ours only): the RoPE rotations the complex multiply keeps
     (a complex64 slice of each layer's table buffer, T·d_head/2 · 8 bytes, shared by Q and K; the per-parameter
-    static count leaves buffers out). The causal mask is applied inside the masked-softmax Function, so autograd
-    keeps no mask, and Q/K/V are three projections, so no concatenated weight copy is kept."""
+    static count leaves buffers out). The causal mask is the QKᵀ baddbmm's bias input, which autograd does not
+    keep, and Q/K/V are three projections, so no concatenated weight copy is kept."""
     if model == "cs336":
         return {}
     rope = config.num_layers * context * config.head_dim * 4 if config.position == "rope" else 0
