@@ -167,3 +167,14 @@ def test_preset_override_replaces_the_model(base: Path):
 def test_config_that_is_a_folder_is_a_clear_error(tmp_path: Path):
     with pytest.raises(ValueError, match="is a folder, not a TOML file"):
         load_config(tmp_path)
+
+
+def test_tf32_is_a_train_switch_that_only_touches_cuda():
+    import torch
+
+    from scratchlm.train.trainer import set_matmul_precision
+
+    assert RunConfig().train.tf32 is True
+    before = torch.backends.cuda.matmul.allow_tf32
+    set_matmul_precision(torch.device("cpu"), not before)
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # CPU runs leave the CUDA flag alone

@@ -73,6 +73,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     fused_attention: bool = False  # use torch's fused SDPA kernel in attention (speed; ours is the default)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation)
     parallel: str = "ddp"  # under torchrun: ddp (replicate the model) | fsdp (FSDP2: shard it); unused alone
     log_every: int = 10
     eval_every: int = 100

@@ -92,6 +92,14 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def set_matmul_precision(device: torch.device, tf32: bool) -> None:
+    """TF32 for fp32 matmuls on CUDA: several times the fp32 throughput on Ampere and newer, with fp32
+    accumulation, which training tolerates (bf16 autocast rounds far more). Nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def select_device(name: str) -> torch.device:
     """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine."""
     if name == "auto":
@@ -270,6 +278,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
     run_dir, device = Path(config.train.run_dir), select_device(config.train.device)
+    set_matmul_precision(device, config.train.tf32)
     if is_main_process:
         prepare_run_dir(run_dir, resume)
     train_tokens, val_tokens = open_data(config)
