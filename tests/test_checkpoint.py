@@ -239,3 +239,16 @@ def test_malformed_meta_is_reported_not_raised(tmp_path):
     (second / "meta.json").write_text(json.dumps(meta))
     with pytest.warns(CheckpointWarning, match="step_0000002: meta.json is malformed"):
         assert manager.latest_valid() == first
+
+
+def test_a_corrupt_later_checkpoint_does_not_push_out_valid_ones(tmp_path):
+    model, optimizer, sampler = make_setup()
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        save(manager, step, model, optimizer, sampler)
+    (tmp_path / "checkpoints" / "step_0000030" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.warns(CheckpointWarning):
+        assert manager.latest_valid().name == "step_0000020"
+    save(manager, 23, model, optimizer, sampler)  # the resumed run is stopped (SIGTERM) before step 30
+    names = [p.name for p in manager.checkpoints()]
+    assert names == ["step_0000020", "step_0000023", "step_0000030"]  # two valid ones kept, not one

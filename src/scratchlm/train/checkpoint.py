@@ -289,7 +289,7 @@ class CheckpointManager:
         finally:
             shutil.rmtree(temp, ignore_errors=True)
         self._update_best(final, step, val_loss)
-        self._prune()
+        self._prune(final)
         return final
 
     def _prepare_directory(self) -> None:
@@ -342,11 +342,16 @@ class CheckpointManager:
         path = self.directory / _read_json(record)["name"]
         return path if path.is_dir() else None
 
-    def _prune(self) -> None:
-        keep = set(self.checkpoints()[-self.keep_last:])
+    def _prune(self, saved: Path) -> None:
+        """Keep the newest ``keep_last`` up to the one just saved, plus the best. Directories of later steps can
+        only be leftovers that failed verification when the run resumed from an earlier step: they do not take a
+        place among the kept ones (they are replaced when the run reaches their step again)."""
+        timeline = self.checkpoints()
+        timeline = timeline[:timeline.index(saved) + 1]
+        keep = set(timeline[-self.keep_last:])
         if (best := self.best()) is not None:
             keep.add(best)
-        for path in self.checkpoints():
+        for path in timeline:
             if path not in keep:
                 shutil.rmtree(path)
 
