@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import require_shared
 from scratchlm.tokenizer import GPT2_SPLIT_PATTERN, Tokenizer
+from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.reference import reference_encode
 from scratchlm.tokenizer.tokenizer import _merge_by_scan, _merge_with_heap
 
@@ -171,6 +172,42 @@ def test_heap_merging_equals_scan_merging(symbols, rng):
             ranks.setdefault((next_id, other), (100 + rank * 4 + other, 1000 + next_id * 4 + other))
         next_id += 1
     assert _merge_with_heap(list(symbols), ranks) == _merge_by_scan(list(symbols), ranks)
+
+
+def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
+    """A long text with an empty cache goes through ``_learn_words`` (batch BPE of its new words) first."""
+    text = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
+    learned = []
+    learn = gpt2._learn_words
+    monkeypatch.setattr(gpt2, "_learn_words", lambda words: (learned.append(len(words)), learn(words)))
+    gpt2.clear_cache()
+    assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
+    assert learned and learned[0] > 1000
+
+
+def _random_merge_table(rng: random.Random, symbols: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """Merges over byte values 0..symbols-1 and their results, with distinct ranks in a random order."""
+    pairs = [(a, b) for a in range(symbols) for b in range(symbols)]
+    rng.shuffle(pairs)
+    merged = {pair: 256 + index for index, pair in enumerate(pairs[:10])}
+    pairs += [pair for new_id in merged.values() for other in range(symbols)
+              for pair in ((new_id, other), (other, new_id))]
+    pairs += [(a, b) for a in merged.values() for b in merged.values()]
+    ranks = rng.sample(range(10 * len(pairs)), len(pairs))
+    return {pair: (rank, merged.get(pair, 1000 + index)) for index, (pair, rank) in enumerate(zip(pairs, ranks))}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), max_size=30), st.randoms(use_true_random=False))
+def test_batch_merging_equals_scan_merging(pieces, rng):
+    table = _random_merge_table(rng, 4)
+    merger = BatchMerger(table, list(range(256)))
+    assert merger.merge([bytes(piece) for piece in pieces]) == [_merge_by_scan(list(p), table) for p in pieces]
+
+
+def test_batch_merging_refuses_empty_pieces():
+    with pytest.raises(ValueError, match="empty piece"):
+        BatchMerger({}, list(range(256))).merge([b"a", b""])
 
 
 def test_decode_replaces_malformed_utf8_and_names_bad_ids(gpt2):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import regex
 
+from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.pretokenize import (
     GPT2_SPLIT_REGEX,
     special_token_regex,
@@ -40,6 +41,11 @@ _MAX_CACHED_CHARS = 64
 _WHITESPACE = regex.compile(r"\s")
 _ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
 _NO_MERGE = (float("inf"), -1)  # sorts after every real (rank, merged id)
+# A block of at least this many words learns its new words together (``_learn_words``) when at least one in
+# _BATCH_MIN_MISS_RATE of its first _BATCH_SAMPLE words misses the word cache.
+_BATCH_MIN_WORDS = 2048
+_BATCH_SAMPLE = 256
+_BATCH_MIN_MISS_RATE = 8
 # Pieces longer than this use heap merging; below it a linear scan per merge is faster.
 _HEAP_MERGE_MIN_BYTES = 256
 
@@ -62,6 +68,7 @@ class Tokenizer:
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> ids
         self._word_cache: dict[str, tuple[int, ...]] = {}  # word -> ids of " " + word
         self._cache_size = cache_size
+        self._merger: BatchMerger | None = None  # built on the first cold block
         self._hash: str | None = None
 
     # ------------------------------------------------------------------ construction and identity
@@ -199,9 +206,12 @@ class Tokenizer:
         non-whitespace character: there a pre-token always ends, and no pre-token to the left looks past the
         space (see docs/tokenizer-encoding.md). Each such chunk is " " + word; a word that ends in a non-space is
         a complete chunk, looked up in a word -> ids cache. Words ending in whitespace (or empty ones, from runs
-        of spaces) join the following words into one segment that goes through the regex.
+        of spaces) join the following words into one segment that goes through the regex. When most words are
+        new (a cold cache), they are first learned together by ``_learn_words``.
         """
         words = text.split(" ")
+        if self._mostly_new(words):
+            self._learn_words(set(words).difference(self._word_cache))
         lookup = self._word_cache.get
         extend = out.extend
         segment: list[str] | None = None  # an open segment: chunks that must be pre-tokenized together
@@ -229,21 +239,56 @@ class Tokenizer:
         if segment is not None:
             self._encode_pretokens(GPT2_SPLIT_REGEX.findall("".join(segment)), out)
 
+    def _mostly_new(self, words: list[str]) -> bool:
+        """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
+        if len(words) < _BATCH_MIN_WORDS:
+            return False
+        cache = self._word_cache
+        sample = islice(words, 1, _BATCH_SAMPLE + 1)
+        return sum(word not in cache for word in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
+
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
         """Ids of " " + word (a complete chunk), through the word cache."""
-        chunk = " " + word
-        if word.isascii() and (word.isalpha() or word.isdigit()):
-            # One GPT-2 pre-token (`` ?\p{L}+`` or `` ?\p{N}+``): no regex needed.
-            result = self._cache.get(chunk) or self._encode_new_piece(chunk)
-        else:
-            ids: list[int] = []
-            self._encode_pretokens(GPT2_SPLIT_REGEX.findall(chunk), ids)
-            result = tuple(ids)
+        ids: list[int] = []
+        self._encode_pretokens(_spaced_word_pieces(word), ids)
+        result = tuple(ids)
         if len(word) <= _MAX_CACHED_CHARS:
             if len(self._word_cache) >= self._cache_size:
                 self._word_cache.clear()
             self._word_cache[word] = result
         return result
+
+    def _learn_words(self, words: set[str]) -> None:
+        """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
+        lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
+
+        Most words are one pre-token (``_is_one_pretoken``) and take C-level paths; the rest go through the regex.
+        """
+        words = [word for word in words if len(word) <= _MAX_CACHED_CHARS]
+        simple = [word for word in words if _is_one_pretoken(word)]
+        other = {word: GPT2_SPLIT_REGEX.findall(" " + word) for word in words
+                 if _is_complete(word) and not _is_one_pretoken(word)}
+        simple_pieces = [" " + word for word in simple]
+        cache = self._cache
+        new_pieces = set(simple_pieces).union(*other.values()).difference(cache)
+        new_pieces = [piece for piece in new_pieces if len(piece) <= _MAX_CACHED_CHARS]
+        merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
+        if len(cache) + len(new_pieces) > self._cache_size:
+            cache.clear()
+        cache.update(zip(new_pieces, map(tuple, merged)))
+        word_cache = self._word_cache
+        if len(word_cache) + len(simple) + len(other) > self._cache_size:
+            word_cache.clear()
+        word_cache.update(zip(simple, map(cache.get, simple_pieces)))
+        for word, pieces in other.items():
+            ids: list[int] = []
+            self._encode_pretokens(pieces, ids)
+            word_cache[word] = tuple(ids)
+
+    def _batch_merger(self) -> BatchMerger:
+        if self._merger is None:
+            self._merger = BatchMerger(self._merge_ranks, self._byte_ids)
+        return self._merger
 
     def _encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         """Append the ids of each pre-token to out, through the pre-token cache."""
@@ -441,6 +486,21 @@ def _merge_with_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int
             if a >= 0 and b < n and (found := ranks.get((tokens[a], tokens[b]))) is not None:
                 heapq.heappush(heap, (found[0], a, tokens[a], tokens[b], found[1]))
     return [tokens[i] for i in range(n) if alive[i]]
+
+
+def _spaced_word_pieces(word: str) -> list[str]:
+    """The GPT-2 pre-tokens of " " + word, for a complete word."""
+    return [" " + word] if _is_one_pretoken(word) else GPT2_SPLIT_REGEX.findall(" " + word)
+
+
+def _is_one_pretoken(word: str) -> bool:
+    """Whether " " + word is one GPT-2 pre-token (`` ?\\p{L}+`` or `` ?\\p{N}+``), for the common ASCII case."""
+    return word.isascii() and (word.isalpha() or word.isdigit())
+
+
+def _is_complete(word: str) -> bool:
+    """Whether " " + word is a chunk on its own: word is not empty and ends in a non-whitespace character."""
+    return bool(word) and not _ends_in_whitespace(word)
 
 
 def _ends_in_whitespace(word: str) -> bool:
