@@ -8,11 +8,13 @@ The model is tinystories-17m with random weights; HF gets the very same weights 
 greedy tokens should agree, which is reported). All decode greedily for exactly `--new-tokens` tokens (HF:
 min_new_tokens, no eos). Targets (issue 5): ours >= 2x HF and >= 5x our own no-cache loop, in tokens/s.
 The no-cache loop recomputes the whole window every step, so it runs at batch 1 only (it is the slow one).
+A second part runs both in bf16 (weights and KV cache), beside HF in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import pstats
 
@@ -86,6 +88,24 @@ def bench(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
     print(f"greedy agreement with HF (prefix before first divergence): {agreement(outputs['ours'], outputs['hf']):.0%}")
 
 
+def bench_bf16(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
+    """bf16 weights and KV cache (``scratchlm generate --dtype bf16``) against HF in bf16 and in fp32."""
+    seeded = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, ours.config.vocab_size, (batch, PROMPT_LENGTH), generator=seeded)
+    ours16, hf16 = copy.deepcopy(ours).to(torch.bfloat16), copy.deepcopy(hf).to(torch.bfloat16)
+    fns16, _ = contenders(ours16, hf16, prompts, new_tokens, with_no_cache=False)
+    fns32, _ = contenders(ours, hf, prompts, new_tokens, with_no_cache=False)
+    fns = {"ours bf16 (KV cache)": fns16["ours (KV cache)"],
+           "HF generate bf16 (KV cache)": fns16["HF generate (KV cache)"],
+           "HF generate fp32 (KV cache)": fns32["HF generate (KV cache)"]}
+    results = interleave(fns, repeats=repeats, warmup=1)
+    work = batch * new_tokens
+    report(f"generate {new_tokens} tokens, batch {batch}, bf16: ours vs HF in bf16", results, "ours bf16 (KV cache)",
+           "HF generate bf16 (KV cache)", unit_work=work, unit="tokens")
+    report(f"generate {new_tokens} tokens, batch {batch}: ours in bf16 vs HF in fp32", results,
+           "ours bf16 (KV cache)", "HF generate fp32 (KV cache)", unit_work=work, unit="tokens")
+
+
 def profile(ours, new_tokens: int) -> None:
     prompt = list(range(PROMPT_LENGTH))
     generate(ours, prompt, 8, temperature=0)
@@ -110,6 +130,8 @@ def main() -> None:
     print(f"tinystories-17m, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} threads")
     for batch in (1, 8):
         bench(batch, new_tokens, repeats=1 if args.quick else 3, ours=ours, hf=hf)
+    for batch in (1, 8):
+        bench_bf16(batch, new_tokens, repeats=1 if args.quick else 3, ours=ours, hf=hf)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -221,6 +223,17 @@ def test_generate_command_samples_are_reproducible(byte_run, capsys):
     first = capsys.readouterr().out
     assert main(argv) == 0
     assert capsys.readouterr().out == first and first.count("--- sample") == 2
+
+
+def test_generate_command_in_bf16_follows_the_bf16_model(byte_run, capsys):
+    from scratchlm.cli import main
+
+    run, model, tokenizer = byte_run
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "Once", "--max-new-tokens", "12",
+                 "--temperature", "0", "--dtype", "bf16"]) == 0
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    expected = generate(bf16_model, tokenizer.encode("Once"), 12, temperature=0, eos_id=256)[0]
+    assert capsys.readouterr().out == "Once" + tokenizer.decode(expected) + "\n"
 
 
 @pytest.mark.parametrize(("argv", "message"), [

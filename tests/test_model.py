@@ -77,6 +77,20 @@ def test_check_inputs_off_skips_the_value_range_check():
         model(torch.tensor([[1, 256]]))
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float64, 1e-5)])
+def test_module_to_dtype_keeps_the_rope_table_complex(dtype, tolerance):
+    """``Module.to`` would cast the complex RoPE table to a real dtype; the logits must survive a dtype change."""
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        expected = model(ids)
+        cast = model.to(dtype)
+        assert all(layer.attn.rope.rotations.is_complex() for layer in cast.layers)
+        error = (cast(ids).double() - expected.double()).abs().max() / expected.abs().max()
+    assert error < tolerance
+
+
 def test_kv_cache_logits_equal_full_recompute_at_every_step():
     model = _model()
     ids = torch.randint(0, TINY.vocab_size, (3, 20))

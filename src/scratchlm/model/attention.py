@@ -95,6 +95,15 @@ class RotaryPositionalEmbedding(nn.Module):
         pairs = torch.view_as_complex(x.to(real).unflatten(-1, (-1, 2)).contiguous())  # (..., T, d_k/2)
         return torch.view_as_real(pairs * rotations.to(pairs.dtype)).flatten(-2).to(x.dtype)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``Module.to(torch.bfloat16)`` would cast the complex table to that *real* dtype, dropping the imaginary
+        parts: the table follows the module's device, but stays complex."""
+        table = self._buffers.pop("rotations")
+        super()._apply(fn, recurse)
+        device = fn(torch.zeros(0, device=table.device)).device
+        self.register_buffer("rotations", table.to(device), persistent=False)
+        return self
+
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
 
