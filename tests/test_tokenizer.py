@@ -185,6 +185,14 @@ def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
     assert learned and learned[0] > 1000
 
 
+def test_small_caches_give_the_same_ids(gpt2, tik):
+    """Caches that overflow (and are cleared) while a block is learned must not change any id."""
+    text = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
+    small = Tokenizer(gpt2.vocab, gpt2.merges, [EOT], cache_size=300)
+    assert small.encode(text) == tik.encode(text, allowed_special="all")
+    assert all(ids is not None for ids in small._word_cache.values())
+
+
 def _random_merge_table(rng: random.Random, symbols: int) -> dict[tuple[int, int], tuple[int, int]]:
     """Merges over byte values 0..symbols-1 and their results, with distinct ranks in a random order."""
     pairs = [(a, b) for a in range(symbols) for b in range(symbols)]

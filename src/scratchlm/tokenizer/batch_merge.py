@@ -34,12 +34,12 @@ class BatchMerger:
         merged = np.fromiter((merged_id for _, merged_id in merge_table.values()), np.int64, size)
         if size and ranks.max() >= NO_RANK:
             raise ValueError(f"too many merges for batch merging ({size})")
-        order = np.argsort(keys)
-        # Sorted pair keys with their rank and merged id, plus a sentinel that no pair matches.
-        self._keys = np.append(keys[order], -1)
-        self._ranks = np.append(ranks[order], NO_RANK)
-        self._merged = np.append(merged[order], 0)
+        self._pairs = _PairTable(keys, ranks, merged)
         self._byte_ids = np.asarray(byte_ids, dtype=np.int64)
+        # The first round's pairs are all byte pairs: a dense 256 x 256 table answers them in one gather.
+        first_bytes, second_bytes = np.divmod(np.arange(256 * 256), 256)
+        rank, merged = self._lookup(self._byte_ids[first_bytes], self._byte_ids[second_bytes])
+        self._byte_pair_rank, self._byte_pair_merged = rank.reshape(256, 256), merged.reshape(256, 256)
 
     def merge(self, pieces: list[bytes]) -> list[list[int]]:
         """The BPE ids of each piece (each at least one byte), in order."""
@@ -48,11 +48,12 @@ class BatchMerger:
             return []
         if lengths.min() == 0:
             raise ValueError("cannot merge an empty piece")
-        tokens = self._byte_ids[np.frombuffer(b"".join(pieces), dtype=np.uint8)]
+        data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+        tokens = self._byte_ids[data]
         last = np.zeros(tokens.size, dtype=bool)
         last[np.cumsum(lengths) - 1] = True
-        rank, merged = self._lookup(tokens[:-1], tokens[1:])
-        rank, merged = np.append(rank, NO_RANK), np.append(merged, 0)
+        rank = np.append(self._byte_pair_rank[data[:-1], data[1:]], NO_RANK)
+        merged = np.append(self._byte_pair_merged[data[:-1], data[1:]], 0)
         rank[last] = NO_RANK
         piece_index = np.arange(len(pieces))  # which input piece each remaining piece is
         results: list[list[int]] = [[] for _ in pieces]
@@ -77,14 +78,16 @@ class BatchMerger:
         """Store the finished pieces' ids; return a mask of the tokens to keep, or None when all are done."""
         if not finished.any():
             return np.ones(tokens.size, dtype=bool)
-        ends = np.append(starts[1:], tokens.size)
-        flat = tokens.tolist()
-        for piece, start, end in zip(piece_index[finished].tolist(), starts[finished].tolist(),
-                                     ends[finished].tolist()):
-            results[piece] = flat[start:end]
+        lengths = np.diff(np.append(starts, tokens.size))
+        finished_tokens = np.repeat(finished, lengths)
+        flat = tokens[finished_tokens].tolist()
+        start = 0
+        for piece, length in zip(piece_index[finished].tolist(), lengths[finished].tolist()):
+            results[piece] = flat[start:start + length]
+            start += length
         if finished.all():
             return None
-        return np.repeat(~finished, ends - starts)
+        return ~finished_tokens
 
     def _update_pairs(self, tokens: np.ndarray, last: np.ndarray, rank: np.ndarray, merged: np.ndarray,
                       position: np.ndarray) -> None:
@@ -98,7 +101,50 @@ class BatchMerger:
 
     def _lookup(self, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rank, merged id) of each pair; NO_RANK where the pair has no merge."""
-        pair = left * self._stride + right
-        slot = np.searchsorted(self._keys[:-1], pair)
-        slot[self._keys[slot] != pair] = len(self._keys) - 1  # the sentinel
-        return self._ranks[slot], self._merged[slot]
+        return self._pairs.get(left * self._stride + right)
+
+
+class _PairTable:
+    """A read-only hash table int64 key -> (rank, merged id) with vectorized lookups: open addressing with linear
+    probing in a power-of-two table at most half full, so a lookup is a gather or two (a binary search over the
+    sorted keys costs ~17 dependent loads per pair)."""
+
+    _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of key * 2^64/phi
+
+    def __init__(self, keys: np.ndarray, ranks: np.ndarray, merged: np.ndarray) -> None:
+        self._bits = max(int(2 * len(keys)).bit_length(), 4)
+        size = 1 << self._bits
+        # One extra slot at the end, never filled, is where every miss points.
+        self._keys = np.full(size + 1, -1, dtype=np.int64)
+        self._ranks = np.full(size + 1, NO_RANK, dtype=np.int64)
+        self._merged = np.zeros(size + 1, dtype=np.int64)
+        home = self._home(keys)
+        pending = np.arange(len(keys))
+        self._max_probe = 0
+        while pending.size:  # round p places keys p slots past home; a later key never frees an earlier slot
+            slot = (home[pending] + self._max_probe) & (size - 1)
+            free = self._keys[slot] == -1
+            taken, first = np.unique(slot[free], return_index=True)  # one key per free slot this round
+            placed = pending[free][first]
+            self._keys[taken], self._ranks[taken], self._merged[taken] = keys[placed], ranks[placed], merged[placed]
+            pending = np.setdiff1d(pending, placed, assume_unique=True)
+            self._max_probe += pending.size > 0
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys.astype(np.uint64) * self._MULTIPLIER) >> np.uint64(64 - self._bits)).astype(np.int64)
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rank, merged id) per key; (NO_RANK, 0) for keys not in the table."""
+        size = len(self._keys) - 1
+        found = np.full(keys.shape, size, dtype=np.int64)
+        home = self._home(keys)
+        todo = np.arange(keys.size)
+        for probe in range(self._max_probe + 1):
+            slot = (home[todo] + probe) & (size - 1)
+            stored = self._keys[slot]
+            hit = stored == keys[todo]
+            found[todo[hit]] = slot[hit]
+            todo = todo[~hit & (stored != -1)]
+            if not todo.size:
+                break
+        return self._ranks[found], self._merged[found]

@@ -114,23 +114,38 @@ def _parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[
     for key, kind in (("vocab", dict), ("merges", list), ("special_tokens", list)):
         if not isinstance(document.get(key), kind):
             raise ValueError(f"{path}: key {key!r} is missing or not a JSON {kind.__name__}")
-    vocab = {}
-    for key, value in document["vocab"].items():
-        try:
-            vocab[int(key)] = bytes.fromhex(value)
-        except (ValueError, TypeError):
-            raise ValueError(f"{path}: vocab entry {key!r}: {value!r} is not <integer id>: <hex bytes>") from None
-    merges = []
-    for index, pair in enumerate(document["merges"]):
-        try:
-            left, right = (bytes.fromhex(part) for part in pair)
-        except (ValueError, TypeError):
-            raise ValueError(f"{path}: merge #{index} {pair!r} is not a pair of hex byte strings") from None
-        merges.append((left, right))
+    try:
+        vocab = {int(key): bytes.fromhex(value) for key, value in document["vocab"].items()}
+    except (ValueError, TypeError):
+        key, value = next((k, v) for k, v in document["vocab"].items() if not _is_hex_entry(k, v))
+        raise ValueError(f"{path}: vocab entry {key!r}: {value!r} is not <integer id>: <hex bytes>") from None
+    try:
+        merges = [(bytes.fromhex(left), bytes.fromhex(right)) for left, right in document["merges"]]
+    except (ValueError, TypeError):
+        index, pair = next((i, p) for i, p in enumerate(document["merges"]) if not _is_hex_pair(p))
+        raise ValueError(f"{path}: merge #{index} {pair!r} is not a pair of hex byte strings") from None
     specials = document["special_tokens"]
     if not all(isinstance(token, str) for token in specials):
         raise ValueError(f"{path}: special_tokens must be a list of strings, got {specials!r}")
     return vocab, merges, list(specials)
+
+
+def _is_hex_entry(key: object, value: object) -> bool:
+    try:
+        int(key)
+        bytes.fromhex(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _is_hex_pair(pair: object) -> bool:
+    try:
+        left, right = pair
+        bytes.fromhex(left), bytes.fromhex(right)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vocab, Merges]:

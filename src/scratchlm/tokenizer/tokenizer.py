@@ -104,14 +104,11 @@ class Tokenizer:
     def hash(self) -> str:
         """sha256 hex digest of the canonical (vocab, merges, special tokens); token files record it."""
         if self._hash is None:
-            digest = hashlib.sha256()
-            for token_id in sorted(self.vocab):
-                digest.update(b"v%d:%s\n" % (token_id, self.vocab[token_id].hex().encode()))
-            for left, right in self.merges:
-                digest.update(b"m%s %s\n" % (left.hex().encode(), right.hex().encode()))
-            for token in self.special_tokens:
-                digest.update(b"s%s\n" % token.encode("utf-8").hex().encode())
-            self._hash = digest.hexdigest()
+            vocab = self.vocab
+            lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]
+            lines += [f"m{left.hex()} {right.hex()}\n" for left, right in self.merges]
+            lines += [f"s{token.encode('utf-8').hex()}\n" for token in self.special_tokens]
+            self._hash = hashlib.sha256("".join(lines).encode("ascii")).hexdigest()
         return self._hash
 
     def special_id(self, token: str) -> int:
@@ -262,27 +259,30 @@ class Tokenizer:
         """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
         lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
 
-        Most words are one pre-token (``_is_one_pretoken``) and take C-level paths; the rest go through the regex.
+        Words that are one pre-token (``_is_one_pretoken``, most of them) need no regex. The others are joined
+        with spaces and pre-tokenized in one regex call: each is complete, so the space before it starts its
+        first pre-token and no pre-token crosses it, and each word's pre-tokens are the run that starts with " ".
         """
-        words = [word for word in words if len(word) <= _MAX_CACHED_CHARS]
-        simple = [word for word in words if _is_one_pretoken(word)]
-        other = {word: GPT2_SPLIT_REGEX.findall(" " + word) for word in words
-                 if _is_complete(word) and not _is_one_pretoken(word)}
+        complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and _is_complete(word)]
+        simple = [word for word in complete if _is_one_pretoken(word)]
+        other = [word for word in complete if not _is_one_pretoken(word)]
         simple_pieces = [" " + word for word in simple]
+        other_pieces = GPT2_SPLIT_REGEX.findall(" " + " ".join(other)) if other else []
         cache = self._cache
-        new_pieces = set(simple_pieces).union(*other.values()).difference(cache)
-        new_pieces = [piece for piece in new_pieces if len(piece) <= _MAX_CACHED_CHARS]
-        merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
-        if len(cache) + len(new_pieces) > self._cache_size:
+        pieces = set(simple_pieces).union(other_pieces)
+        if len(cache) + len(pieces) > self._cache_size:
             cache.clear()
+        new_pieces = [piece for piece in pieces.difference(cache) if len(piece) <= _MAX_CACHED_CHARS]
+        merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
         cache.update(zip(new_pieces, map(tuple, merged)))
         word_cache = self._word_cache
-        if len(word_cache) + len(simple) + len(other) > self._cache_size:
+        if len(word_cache) + len(complete) > self._cache_size:
             word_cache.clear()
         word_cache.update(zip(simple, map(cache.get, simple_pieces)))
-        for word, pieces in other.items():
+        firsts = [index for index, piece in enumerate(other_pieces) if piece[0] == " "]
+        for word, first, end in zip(other, firsts, firsts[1:] + [len(other_pieces)]):
             ids: list[int] = []
-            self._encode_pretokens(pieces, ids)
+            self._encode_pretokens(other_pieces[first:end], ids)
             word_cache[word] = tuple(ids)
 
     def _batch_merger(self) -> BatchMerger:
@@ -422,15 +422,18 @@ def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
 
 def _merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int]) -> dict[tuple[int, int], tuple]:
     """(left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank."""
-    table: dict[tuple[int, int], tuple[int, int]] = {}
-    for rank, (left, right) in enumerate(merges):
-        ids = bytes_to_id.get(left), bytes_to_id.get(right), bytes_to_id.get(left + right)
-        if None in ids:
-            missing = [t for t, i in zip((left, right, left + right), ids) if i is None][0]
-            raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, "
-                             "which is not in the vocab")
-        table.setdefault((ids[0], ids[1]), (rank, ids[2]))
-    return table
+    lookup = bytes_to_id.get
+    lefts = list(map(lookup, [left for left, _ in merges]))
+    rights = list(map(lookup, [right for _, right in merges]))
+    results = list(map(lookup, [left + right for left, right in merges]))
+    if None in lefts or None in rights or None in results:
+        rank = next(r for r, ids in enumerate(zip(lefts, rights, results)) if None in ids)
+        left, right = merges[rank]
+        missing = next(t for t in (left, right, left + right) if t not in bytes_to_id)
+        raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, which is not in the vocab")
+    # Built from the last merge to the first, so a repeated pair ends up with its first (lowest) rank.
+    pairs = zip(lefts[::-1], rights[::-1])
+    return dict(zip(pairs, zip(range(len(merges) - 1, -1, -1), results[::-1])))
 
 
 def _merge_by_scan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
