@@ -23,8 +23,8 @@ from torch import nn
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import Linear
 
-# The attention core works on this many score elements at a time (2 MiB in fp32): few enough to stay in a core's
-# L2 cache from the matmul that writes them, through the softmax, to the matmul that reads them.
+# On CPU the attention core works on this many score elements at a time (2 MiB in fp32): few enough to stay in a
+# core's L2 cache from the matmul that writes them, through the softmax, to the matmul that reads them.
 _CHUNK_ELEMENTS = 1 << 19
 
 
@@ -64,6 +64,8 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         step = max(1, _CHUNK_ELEMENTS // (q.shape[1] * k.shape[1]))
+        if q.device.type != "cpu":
+            step = q.shape[0]  # accelerators: caches are not the bottleneck, kernel launches are; one chunk
         probs, outputs = [], []
         for start in range(0, q.shape[0], step):
             rows = slice(start, start + step)
