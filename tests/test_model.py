@@ -91,10 +91,12 @@ def test_module_to_dtype_keeps_the_rope_table_complex(dtype, tolerance):
     assert error < tolerance
 
 
-def test_kv_cache_logits_equal_full_recompute_at_every_step():
+@pytest.mark.parametrize("fused", [False, True])
+def test_kv_cache_logits_equal_full_recompute_at_every_step(fused):
     model = _model()
     ids = torch.randint(0, TINY.vocab_size, (3, 20))
     full = model(ids)
+    model.set_fused_sdpa(fused)
     cache = KVCache.for_model(model, batch_size=3)
     with torch.no_grad():
         chunks = [model(ids[:, :5], kv_cache=cache)]  # prefill, then one token at a time

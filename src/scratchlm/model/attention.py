@@ -34,7 +34,11 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     *batch, T_q, d_k = Q.shape
     T_k = K.shape[-2]
     q, k, v = Q.reshape(-1, T_q, d_k), K.reshape(-1, T_k, d_k), V.reshape(-1, T_k, V.shape[-1])
-    out = _ChunkedAttention.apply(q, k, v, _additive_mask(mask, batch, T_q, T_k, q))
+    bias = _additive_mask(mask, batch, T_q, T_k, q)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = _ChunkedAttention.apply(q, k, v, bias)
+    else:  # inference (e.g. each decoding step): the same chunks without autograd's bookkeeping
+        out = _concat(_attend_chunks(q, k, v, bias, _chunk_rows(q, k))[1])
     return out.reshape(*batch, T_q, v.shape[-1])
 
 
@@ -62,22 +66,10 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        step = max(1, _CHUNK_ELEMENTS // (q.shape[1] * k.shape[1]))
-        if q.device.type != "cpu":
-            step = q.shape[0]  # accelerators: caches are not the bottleneck, kernel launches are; one chunk
-        probs, outputs = [], []
-        for start in range(0, q.shape[0], step):
-            rows = slice(start, start + step)
-            scores = torch.baddbmm(bias[rows] if bias.dim() else bias, q[rows], k[rows].transpose(1, 2),
-                                   alpha=scale)  # (step, T_q, T_k)
-            row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
-            p = scores.sub_(row_max).exp_()
-            p /= p.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(p.dtype).tiny)
-            probs.append(p)
-            outputs.append(torch.bmm(p, v[rows]))
+        step = _chunk_rows(q, k)
+        probs, outputs = _attend_chunks(q, k, v, bias, step)
         ctx.save_for_backward(q, k, v, *probs)
-        ctx.scale, ctx.step = scale, step
+        ctx.scale, ctx.step = 1.0 / math.sqrt(q.shape[-1]), step
         return _concat(outputs)
 
     @staticmethod
@@ -94,6 +86,31 @@ class _ChunkedAttention(torch.autograd.Function):
             grad_q.append(torch.bmm(ds, k[rows]))
             grad_k.append(torch.bmm(ds.transpose(1, 2), q[rows]))
         return _concat(grad_q), _concat(grad_k), _concat(grad_v), None
+
+
+def _chunk_rows(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many of the b slices one chunk holds: _CHUNK_ELEMENTS scores on CPU; all of them elsewhere
+    (accelerators are not bound by cache misses here but by kernel launches)."""
+    if q.device.type != "cpu":
+        return q.shape[0]
+    return max(1, _CHUNK_ELEMENTS // (q.shape[1] * k.shape[1]))
+
+
+def _attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(probabilities, outputs) of each chunk of `step` slices: softmax(q kᵀ/√d_k + bias) and its product with v."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    probs, outputs = [], []
+    for start in range(0, q.shape[0], step):
+        rows = slice(start, start + step)
+        scores = torch.baddbmm(bias[rows] if bias.dim() else bias, q[rows], k[rows].transpose(1, 2),
+                               alpha=scale)  # (step, T_q, T_k)
+        row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+        p = scores.sub_(row_max).exp_()
+        p /= p.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(p.dtype).tiny)
+        probs.append(p)
+        outputs.append(torch.bmm(p, v[rows]))
+    return probs, outputs
 
 
 def _concat(chunks: list[torch.Tensor]) -> torch.Tensor:
@@ -193,8 +210,9 @@ class MultiHeadSelfAttention(nn.Module):
         decoding one token), keeps that copy alive for backward, and its split costs a copy in backward."""
         return projected.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
-    def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor:
-        """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given."""
+    def _mask(self, T: int, past: int, key_padding: torch.Tensor | None, device) -> torch.Tensor | None:
+        """Bool (T, past+T) causal mask, combined with key padding to (B, 1, T, past+T) when given; None when
+        nothing is masked (one query, no padding)."""
         total = past + T
         if self.causal_mask is not None:
             if total > self.causal_mask.shape[0]:
@@ -203,7 +221,7 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()[past:]
         if key_padding is None:
-            return causal
+            return None if T == 1 else causal  # one new query may attend to every key so far
         return causal & key_padding[:, None, None, :total]
 
     @staticmethod
@@ -211,7 +229,7 @@ class MultiHeadSelfAttention(nn.Module):
         # The sanctioned exception to "no torch.nn.functional": opt-in speed path, tested against ours.
         from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
 
-        if is_causal:
-            return torch_sdpa(q, k, v, is_causal=True)
+        if is_causal or mask is None:
+            return torch_sdpa(q, k, v, is_causal=is_causal)
         out = torch_sdpa(q, k, v, attn_mask=mask)
         return out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # same fully-masked-row rule as ours
