@@ -237,6 +237,11 @@ def test_lone_surrogates_are_refused_with_position(gpt2):
         list(gpt2.encode_iterable(["hel", "lo \ud83d!"]))
     with pytest.raises(ValueError, match=r"position 300003 is a lone surrogate"):
         list(gpt2.encode_iterable(["abc " * 75_000, "xyz\udfff"]))
+    # the same inside a long block of new words, which the batch path learns together
+    words = " ".join(f"w{index}x" for index in range(5000))
+    gpt2.clear_cache()
+    with pytest.raises(ValueError, match=rf"position {len(words) + 4} is a lone surrogate"):
+        gpt2.encode(words + " ok \udc80 " + words)
 
 
 def test_save_load_round_trips_both_formats(gpt2, tmp_path):
