@@ -26,6 +26,21 @@ def test_linear_matches_nn_linear_over_leading_dims():
     assert ours.weight.shape == (40, 24)
 
 
+@pytest.mark.parametrize("shape", [(1, 24), (1, 1, 24), (3, 24), (2, 8, 24), (17, 24), (4, 10, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_linear_few_and_many_rows_match_nn_linear_with_gradients(shape, dtype):
+    """Up to 16 float32 rows take the W xᵀ path (decoding), more rows x Wᵀ: both equal nn.Linear, gradients too."""
+    ours = Linear(24, 40, dtype=dtype)
+    ref = nn.Linear(24, 40, bias=False, dtype=dtype)
+    ref.weight.data.copy_(ours.weight.data)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    y = ours(x)
+    assert y.shape == (*shape[:-1], 40)
+    assert_close(y, ref(x))
+    grad = torch.randn_like(y)
+    assert_close(torch.autograd.grad(y, (x, ours.weight), grad), torch.autograd.grad(ref(x), (x, ref.weight), grad))
+
+
 def test_linear_init_is_truncated_normal_with_xavier_std():
     w = Linear(600, 400).weight.detach()
     sigma = math.sqrt(2 / 1000)
