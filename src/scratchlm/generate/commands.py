@@ -42,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                                       "data.tokenizer)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster where the CPU or "
-                             "GPU has bf16 matmuls, e.g. AVX512-BF16/AMX)")
+                        help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
+                             "on the hardware)")
     parser.set_defaults(func=run_generate)
 
 
