@@ -37,7 +37,6 @@ from scratchlm.tokenizer.tokenizer import Tokenizer
 READ_BLOCK = 1 << 20
 MIN_CHUNK_BYTES = 1 << 20  # smaller ranges are not worth a task
 CHUNKS_PER_WORKER = 4  # a few tasks per worker balance uneven ranges
-WARM_UP_BYTES = 1 << 18  # text the parent encodes before forking, to warm the workers' caches
 ERROR_POLICIES = ("strict", "replace")
 _SAFE_NEIGHBOURS = frozenset(range(0x21, 0x7F))  # printable ASCII, never whitespace
 _CUT_SEARCH_WINDOW = 1 << 16
@@ -129,8 +128,6 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 bar.update(task.end - task.start)
                 yield task
             return
-        if sys.platform == "linux":
-            _warm_cache(tokenizer, tasks[0])
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
                                  initargs=(tokenizer,)) as pool:
@@ -143,15 +140,6 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 raise
     finally:
         bar.close()
-
-
-def _warm_cache(tokenizer: Tokenizer, task: _Task) -> None:
-    """Encode the start of the first range in this process before forking: every worker then begins with the
-    frequent words already in its (inherited) cache instead of each running BPE on them again."""
-    with open(task.path, "rb") as handle:
-        handle.seek(task.start)
-        sample = handle.read(min(WARM_UP_BYTES, task.end - task.start))
-    tokenizer.encode(sample.decode("utf-8", errors="replace"))
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
