@@ -280,6 +280,7 @@ class Tokenizer:
             word_cache.clear()
         word_cache.update(zip(simple, map(cache.get, simple_pieces)))
         firsts = [index for index, piece in enumerate(other_pieces) if piece[0] == " "]
+        assert len(firsts) == len(other), "each joined word must start exactly one pre-token with its space"
         for word, first, end in zip(other, firsts, firsts[1:] + [len(other_pieces)]):
             ids: list[int] = []
             self._encode_pretokens(other_pieces[first:end], ids)
