@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import regex
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,6 +184,20 @@ def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
     gpt2.clear_cache()
     assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
     assert learned and learned[0] > 1000
+
+
+@SETTINGS
+@given(st.lists(st.text(st.characters(blacklist_characters=" ", blacklist_categories=("Cs",)), min_size=1,
+                        max_size=12), max_size=40))
+def test_words_learned_together_encode_as_each_alone(gpt2, tik, words):
+    """Any words (Unicode whitespace, marks, digits, punctuation; no spaces) learned in one batch get the ids of
+    " " + word; the ones ending in whitespace (regex ``\\s``) are not complete chunks and are not learned."""
+    gpt2.clear_cache()
+    gpt2._learn_words(set(words))
+    complete = {word for word in words if not regex.fullmatch(r"\s", word[-1])}
+    assert set(gpt2._word_cache) == complete
+    for word in complete:
+        assert list(gpt2._word_cache[word]) == tik.encode_ordinary(" " + word)
 
 
 def test_small_caches_give_the_same_ids(gpt2, tik):
