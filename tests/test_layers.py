@@ -161,6 +161,15 @@ def test_sdpa_gradients_match_torch_for_any_chunking(monkeypatch, chunk_elements
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("b, t_q, t_k", [(0, 4, 4), (2, 0, 4)])
+def test_sdpa_of_empty_inputs_has_the_right_shape(b, t_q, t_k):
+    Q, K, V = torch.randn(b, t_q, 8, requires_grad=True), torch.randn(b, t_k, 8), torch.randn(b, t_k, 5)
+    out = scaled_dot_product_attention(Q, K, V)
+    assert out.shape == (b, t_q, 5)
+    out.sum().backward()
+    assert Q.grad.shape == Q.shape
+
+
 def test_sdpa_fully_masked_row_returns_zeros_and_finite_grads():
     Q, K, V = (torch.randn(2, 4, 3, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 4, 4, dtype=torch.bool)

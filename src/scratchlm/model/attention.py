@@ -33,7 +33,8 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
     *batch, T_q, d_k = Q.shape
     T_k = K.shape[-2]
-    q, k, v = Q.reshape(-1, T_q, d_k), K.reshape(-1, T_k, d_k), V.reshape(-1, T_k, V.shape[-1])
+    b = math.prod(batch)
+    q, k, v = Q.reshape(b, T_q, d_k), K.reshape(b, T_k, d_k), V.reshape(b, T_k, V.shape[-1])
     bias = _additive_mask(mask, batch, T_q, T_k, q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = _ChunkedAttention.apply(q, k, v, bias)
@@ -49,7 +50,7 @@ def _additive_mask(mask: torch.Tensor | None, batch: list[int], T_q: int, T_k: i
     if mask is None:
         return like.new_zeros(())
     bias = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
-    return bias.expand(*batch, T_q, T_k).reshape(-1, T_q, T_k)
+    return bias.expand(*batch, T_q, T_k).reshape(math.prod(batch), T_q, T_k)
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -93,7 +94,7 @@ def _chunk_rows(q: torch.Tensor, k: torch.Tensor) -> int:
     (accelerators are not bound by cache misses here but by kernel launches)."""
     if q.device.type != "cpu":
         return q.shape[0]
-    return max(1, _CHUNK_ELEMENTS // (q.shape[1] * k.shape[1]))
+    return max(1, _CHUNK_ELEMENTS // max(1, q.shape[1] * k.shape[1]))
 
 
 def _attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -101,7 +102,7 @@ def _attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     """(probabilities, outputs) of each chunk of `step` slices: softmax(q kᵀ/√d_k + bias) and its product with v."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     probs, outputs = [], []
-    for start in range(0, q.shape[0], step):
+    for start in range(0, max(q.shape[0], 1), step):  # at least one chunk: an empty batch keeps its shapes
         rows = slice(start, start + step)
         scores = torch.baddbmm(bias[rows] if bias.dim() else bias, q[rows], k[rows].transpose(1, 2),
                                alpha=scale)  # (step, T_q, T_k)
