@@ -70,7 +70,7 @@ class _ChunkedAttention(torch.autograd.Function):
         step = _chunk_rows(q, k)
         probs, outputs = _attend_chunks(q, k, v, bias, step)
         ctx.save_for_backward(q, k, v, *probs)
-        ctx.scale, ctx.step = 1.0 / math.sqrt(q.shape[-1]), step
+        ctx.step = step
         return _concat(outputs)
 
     @staticmethod
@@ -83,7 +83,7 @@ class _ChunkedAttention(torch.autograd.Function):
             ds = torch.bmm(grad_out[rows], v[rows].transpose(1, 2))  # dp, then ds in place
             ds -= (ds * p).sum(dim=-1, keepdim=True)
             ds *= p
-            ds *= ctx.scale
+            ds *= _scale(q)
             grad_q.append(torch.bmm(ds, k[rows]))
             grad_k.append(torch.bmm(ds.transpose(1, 2), q[rows]))
         return _concat(grad_q), _concat(grad_k), _concat(grad_v), None
@@ -100,18 +100,22 @@ def _chunk_rows(q: torch.Tensor, k: torch.Tensor) -> int:
 def _attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                    step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(probabilities, outputs) of each chunk of `step` slices: softmax(q kᵀ/√d_k + bias) and its product with v."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
     probs, outputs = [], []
     for start in range(0, max(q.shape[0], 1), step):  # at least one chunk: an empty batch keeps its shapes
         rows = slice(start, start + step)
         scores = torch.baddbmm(bias[rows] if bias.dim() else bias, q[rows], k[rows].transpose(1, 2),
-                               alpha=scale)  # (step, T_q, T_k)
+                               alpha=_scale(q))  # (step, T_q, T_k)
         row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
         p = scores.sub_(row_max).exp_()
         p /= p.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(p.dtype).tiny)
         probs.append(p)
         outputs.append(torch.bmm(p, v[rows]))
     return probs, outputs
+
+
+def _scale(q: torch.Tensor) -> float:
+    """1/√d_k, the score scale."""
+    return 1.0 / math.sqrt(q.shape[-1])
 
 
 def _concat(chunks: list[torch.Tensor]) -> torch.Tensor:

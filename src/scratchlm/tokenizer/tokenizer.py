@@ -264,8 +264,10 @@ class Tokenizer:
         first pre-token and no pre-token crosses it, and each word's pre-tokens are the run that starts with " ".
         """
         complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and _is_complete(word)]
-        simple = [word for word in complete if _is_one_pretoken(word)]
-        other = [word for word in complete if not _is_one_pretoken(word)]
+        simple: list[str] = []
+        other: list[str] = []
+        for word in complete:
+            (simple if _is_one_pretoken(word) else other).append(word)
         simple_pieces = [" " + word for word in simple]
         other_pieces = GPT2_SPLIT_REGEX.findall(" " + " ".join(other)) if other else []
         cache = self._cache
