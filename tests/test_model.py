@@ -105,6 +105,19 @@ def test_kv_cache_logits_equal_full_recompute_at_every_step(fused):
     assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_last_only_returns_the_last_positions_logits_and_fills_the_cache_the_same():
+    model = _model()
+    ids = torch.randint(0, TINY.vocab_size, (2, 9))
+    nxt = torch.randint(0, TINY.vocab_size, (2, 1))
+    with torch.no_grad():
+        full_cache, last_cache = KVCache.for_model(model, batch_size=2), KVCache.for_model(model, batch_size=2)
+        full = model(ids, kv_cache=full_cache)
+        last = model(ids, kv_cache=last_cache, last_only=True)
+        assert last.shape == (2, 1, TINY.vocab_size)
+        assert_close(last, full[:, -1:], atol=1e-6, rtol=1e-6)
+        assert_close(model(nxt, kv_cache=last_cache), model(nxt, kv_cache=full_cache), atol=1e-6, rtol=1e-6)
+
+
 def test_kv_cache_errors_when_full_or_wrong_batch():
     model = _model()
     cache = KVCache.for_model(model, batch_size=2, max_seq_len=8)

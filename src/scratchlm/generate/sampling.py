@@ -147,7 +147,7 @@ class _Decoder:
         first = self.cached_until if self.cache is not None else self.start
         ids = self.tokens[:, first:column]  # (B, T)
         mask = self.real[:, first:column] if first < self.pad_width else None
-        logits = self.model(ids, kv_cache=self.cache, attention_mask=mask)  # (B, T, V)
+        logits = self.model(ids, kv_cache=self.cache, attention_mask=mask, last_only=True)  # (B, 1, V)
         self.cached_until = column
         return logits[:, -1]
 

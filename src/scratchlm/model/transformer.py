@@ -94,11 +94,14 @@ class TransformerLM(nn.Module):
         self.checkpoint_blocks = False
 
     def forward(self, in_indices: torch.Tensor, *, token_positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """in_indices (B, T) int; token_positions (T,) or (B, T); attention_mask (B, T) bool, True = real token.
 
         With `attention_mask` (left padding) and no explicit positions, each row's real tokens get positions
         0, 1, 2, ...; padding is never attended. With `kv_cache`, the new tokens continue the cached ones.
+        `last_only=True` returns only the last position's logits (B, 1, V): all that sampling after a prefill
+        needs; the output projection over every prompt position is ~30% of a tinystories-17m prefill.
         """
         self._validate(in_indices, token_positions, attention_mask, kv_cache)
         key_padding = attention_mask
@@ -120,7 +123,9 @@ class TransformerLM(nn.Module):
                 x = layer(x, token_positions, kv_cache, index, key_padding)
         if kv_cache is not None:
             kv_cache.advance(in_indices.shape[1], attention_mask)
-        return self.lm_head(self.ln_final(x))  # (B, T, vocab_size)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.ln_final(x))  # (B, T, vocab_size), T = 1 with last_only
 
     def _validate(self, in_indices, token_positions, attention_mask, kv_cache) -> None:
         """Shape checks always (free); value-range checks only when `check_inputs` (they sync on GPU)."""
