@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from conftest import require_shared
 from scratchlm.tokenizer import GPT2_SPLIT_PATTERN, Tokenizer
 from scratchlm.tokenizer.batch_merge import BatchMerger
+from scratchlm.tokenizer.merge import merge_by_scan, merge_with_heap
 from scratchlm.tokenizer.reference import reference_encode
-from scratchlm.tokenizer.tokenizer import _merge_by_scan, _merge_with_heap
 
 EOT = "<|endoftext|>"
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -172,7 +172,7 @@ def test_heap_merging_equals_scan_merging(symbols, rng):
         for other in range(4):  # merged tokens merge further, in later ranks
             ranks.setdefault((next_id, other), (100 + rank * 4 + other, 1000 + next_id * 4 + other))
         next_id += 1
-    assert _merge_with_heap(list(symbols), ranks) == _merge_by_scan(list(symbols), ranks)
+    assert merge_with_heap(list(symbols), ranks) == merge_by_scan(list(symbols), ranks)
 
 
 def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
@@ -225,7 +225,7 @@ def _random_merge_table(rng: random.Random, symbols: int) -> dict[tuple[int, int
 def test_batch_merging_equals_scan_merging(pieces, rng):
     table = _random_merge_table(rng, 4)
     merger = BatchMerger(table, list(range(256)))
-    assert merger.merge([bytes(piece) for piece in pieces]) == [_merge_by_scan(list(p), table) for p in pieces]
+    assert merger.merge([bytes(piece) for piece in pieces]) == [merge_by_scan(list(p), table) for p in pieces]
 
 
 def test_batch_merging_refuses_empty_pieces():

@@ -11,7 +11,7 @@ block's new pre-tokens are merged together, one merge per pre-token per round:
   ``minimum.reduceat`` over ``rank << 32 | position``. Pre-tokens with nothing left to merge are finished and
   leave the arrays; the others merge that pair, and only the two pairs next to each merge are looked up again.
 
-That is exactly the rule of ``_merge_by_scan`` (GPT-2's and tiktoken's), so the ids are identical.
+That is exactly the rule of ``merge.merge_by_scan`` (GPT-2's and tiktoken's), so the ids are identical.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 BPE never merges across a pre-token boundary, and special tokens are cut out before the regex runs, so they
 never take part in merges and no pre-token crosses them. Both the trainer and the encoder use this module.
+
+The encoder also cuts text at spaces (``str.split(" ")`` is far cheaper than the regex): a space that follows a
+non-whitespace character always starts a pre-token, so " " + word is pre-tokenized on its own when the word is
+*complete* (ends in a non-whitespace character). The word helpers at the end state those facts.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import regex
 # GPT-2's pattern (the one tiktoken calls "r50k_base"/"gpt2").
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_SPLIT_REGEX = regex.compile(GPT2_SPLIT_PATTERN)
+_WHITESPACE = regex.compile(r"\s")
+_ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
 
 
 def validate_special_tokens(special_tokens: Iterable[str] | None) -> list[str]:
@@ -55,3 +61,34 @@ def split_on_special_tokens(text: str, special_regex: regex.Pattern | None) -> I
 def pretokens(text: str) -> list[str]:
     """GPT-2 pre-tokens of text that holds no special tokens."""
     return GPT2_SPLIT_REGEX.findall(text)
+
+
+def spaced_word_pieces(word: str) -> list[str]:
+    """The GPT-2 pre-tokens of " " + word, for a complete word."""
+    return [" " + word] if is_one_pretoken(word) else GPT2_SPLIT_REGEX.findall(" " + word)
+
+
+def is_one_pretoken(word: str) -> bool:
+    """Whether " " + word is one GPT-2 pre-token (`` ?\\p{L}+`` or `` ?\\p{N}+``), for the common ASCII case."""
+    return word.isascii() and (word.isalpha() or word.isdigit())
+
+
+def is_complete_word(word: str) -> bool:
+    """Whether " " + word is a chunk on its own: word is not empty and ends in a non-whitespace character."""
+    return bool(word) and not ends_in_whitespace(word)
+
+
+def ends_in_whitespace(word: str) -> bool:
+    """Whether word's last character is whitespace in the GPT-2 pattern's sense (regex ``\\s``)."""
+    last = word[-1]
+    if last.isascii():  # nearly always; a set lookup is cheaper than a regex call
+        return last in _ASCII_WHITESPACE
+    return _WHITESPACE.match(last) is not None
+
+
+def last_space_boundary(text: str) -> int:
+    """Index of the last space in text that follows a non-whitespace character, or 0 if there is none."""
+    space = text.rfind(" ")
+    while space > 0 and _WHITESPACE.match(text, space - 1):
+        space = text.rfind(" ", 0, space - 1)
+    return max(space, 0)

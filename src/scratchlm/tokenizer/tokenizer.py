@@ -7,9 +7,9 @@ Design (pure Python, aimed at about half of tiktoken's single-thread speed):
   own (``_encode_ordinary`` says when). Cache misses and whitespace runs go through the GPT-2 regex and a
   bounded *pre-token -> ids cache*. Natural text repeats a few thousand words, so most lookups hit, and the
   regex (15-20 MB/s alone) runs on a fraction of the text.
-- A cache miss runs *rank-based* BPE on the pre-token's bytes: repeatedly merge the adjacent pair with the
-  lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Short pieces use a plain scan;
-  long ones (``"x" * 100_000``) a heap over a linked list, so the cost stays O(n log n), not O(n^2).
+- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
+  pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule; many new
+  pre-tokens at once (a cold cache) go through ``batch_merge.py`` instead.
 - ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
   still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
 Serialization lives in ``io.py``; this module only knows vocab, merges and special tokens.
@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import heapq
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import chain, islice
 from pathlib import Path
 
-import regex
-
 from scratchlm.tokenizer.batch_merge import BatchMerger
+from scratchlm.tokenizer.merge import merge_ids, merge_table
 from scratchlm.tokenizer.pretokenize import (
     GPT2_SPLIT_REGEX,
+    ends_in_whitespace,
+    is_complete_word,
+    is_one_pretoken,
+    last_space_boundary,
+    spaced_word_pieces,
     special_token_regex,
     split_on_special_tokens,
     validate_special_tokens,
@@ -40,16 +43,11 @@ from scratchlm.tokenizer.pretokenize import (
 _LOOKAHEAD_CHARS = 3
 # Longer pre-tokens and words are not cached (they are rare, and would make the bounded caches large).
 _MAX_CACHED_CHARS = 64
-_WHITESPACE = regex.compile(r"\s")
-_ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
-_NO_MERGE = (float("inf"), -1)  # sorts after every real (rank, merged id)
 # A block of at least this many words learns its new words together (``_learn_words``) when at least one in
 # _BATCH_MIN_MISS_RATE of its first _BATCH_SAMPLE words misses the word cache.
 _BATCH_MIN_WORDS = 2048
 _BATCH_SAMPLE = 256
 _BATCH_MIN_MISS_RATE = 8
-# Pieces longer than this use heap merging; below it a linear scan per merge is faster.
-_HEAP_MERGE_MIN_BYTES = 256
 
 
 class Tokenizer:
@@ -63,7 +61,7 @@ class Tokenizer:
         self._bytes_to_id = _invert_vocab(self.vocab)
         self._byte_ids = _single_byte_ids(self._bytes_to_id)
         self._special_ids = self._add_special_tokens()
-        self._merge_ranks = _merge_table(self.merges, self._bytes_to_id)
+        self._merge_ranks = merge_table(self.merges, self._bytes_to_id)
         self._special_regex = special_token_regex(self.special_tokens)
         self._special_prefixes = {token[:k] for token in self.special_tokens for k in range(1, len(token))}
         self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
@@ -216,7 +214,7 @@ class Tokenizer:
         segment: list[str] | None = None  # an open segment: chunks that must be pre-tokenized together
         first = words[0]
         if first:
-            if _ends_in_whitespace(first):
+            if ends_in_whitespace(first):
                 segment = [first]
             else:
                 self._encode_pretokens(GPT2_SPLIT_REGEX.findall(first), out)
@@ -225,7 +223,7 @@ class Tokenizer:
             if ids is not None and segment is None:
                 extend(ids)
                 continue
-            complete = bool(word) and not _ends_in_whitespace(word)
+            complete = bool(word) and not ends_in_whitespace(word)
             if segment is None and complete:
                 extend(self._encode_spaced_word(word))
             elif segment is None:
@@ -249,7 +247,7 @@ class Tokenizer:
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
         """Ids of " " + word (a complete chunk), through the word cache."""
         ids: list[int] = []
-        self._encode_pretokens(_spaced_word_pieces(word), ids)
+        self._encode_pretokens(spaced_word_pieces(word), ids)
         result = tuple(ids)
         if len(word) <= _MAX_CACHED_CHARS:
             if len(self._word_cache) >= self._cache_size:
@@ -261,18 +259,18 @@ class Tokenizer:
         """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
         lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
 
-        Words that are one pre-token (``_is_one_pretoken``, most of them) need no regex. The others are joined
+        Words that are one pre-token (``is_one_pretoken``, most of them) need no regex. The others are joined
         with spaces and pre-tokenized in one regex call: each is complete, so the space before it starts its
         first pre-token and no pre-token crosses it, and each word's pre-tokens are the run that starts with " ".
         The cyclic garbage collector is paused meanwhile: the tens of thousands of id tuples made here hold no
         cycles, yet would set off a collection every few hundred (a fifth of a cold encode's time).
         """
         with _gc_paused():
-            complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and _is_complete(word)]
+            complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and is_complete_word(word)]
             simple: list[str] = []
             other: list[str] = []
             for word in complete:
-                (simple if _is_one_pretoken(word) else other).append(word)
+                (simple if is_one_pretoken(word) else other).append(word)
             simple_pieces = [" " + word for word in simple]
             other_pieces = GPT2_SPLIT_REGEX.findall(" " + " ".join(other)) if other else []
             cache = self._cache
@@ -322,10 +320,7 @@ class Tokenizer:
         token_id = self._bytes_to_id.get(data) if len(data) == 1 else None
         if token_id is not None:
             return (token_id,)
-        ids = [self._byte_ids[byte] for byte in data]
-        if len(ids) >= _HEAP_MERGE_MIN_BYTES:
-            return tuple(_merge_with_heap(ids, self._merge_ranks))
-        return tuple(_merge_by_scan(ids, self._merge_ranks))
+        return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
 
     def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
@@ -347,7 +342,7 @@ class Tokenizer:
                 ids.append(self._special_ids[piece])
             else:
                 self._encode_ordinary(piece, ids)
-        boundary = _last_space_boundary(open_piece)
+        boundary = last_space_boundary(open_piece)
         if boundary > 0:
             self._encode_ordinary(open_piece[:boundary], ids)
             return ids, open_piece[boundary:] + pending
@@ -428,77 +423,6 @@ def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
     return [bytes_to_id[bytes([value])] for value in range(256)]
 
 
-def _merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int]) -> dict[tuple[int, int], tuple]:
-    """(left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank."""
-    lookup = bytes_to_id.get
-    lefts = list(map(lookup, [left for left, _ in merges]))
-    rights = list(map(lookup, [right for _, right in merges]))
-    results = list(map(lookup, [left + right for left, right in merges]))
-    if None in lefts or None in rights or None in results:
-        rank = next(r for r, ids in enumerate(zip(lefts, rights, results)) if None in ids)
-        left, right = merges[rank]
-        missing = next(t for t in (left, right, left + right) if t not in bytes_to_id)
-        raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, which is not in the vocab")
-    # Built from the last merge to the first, so a repeated pair ends up with its first (lowest) rank.
-    pairs = zip(lefts[::-1], rights[::-1])
-    return dict(zip(pairs, zip(range(len(merges) - 1, -1, -1), results[::-1])))
-
-
-def _merge_by_scan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    """Merge the lowest-rank adjacent pair (leftmost on ties) until none is mergeable.
-
-    O(n) per merge, but in C: ``min`` and ``index`` over the pairs' (rank, merged id), of which only the two
-    next to a merge change. Used for short pieces (most pre-tokens are a few bytes).
-    """
-    pair_ranks = [ranks.get(pair, _NO_MERGE) for pair in zip(ids, islice(ids, 1, None))]
-    while pair_ranks:
-        best = min(pair_ranks)  # ties: equal tuples are the same pair, and min returns the leftmost
-        if best is _NO_MERGE:
-            break
-        index = pair_ranks.index(best)
-        ids[index:index + 2] = [best[1]]
-        del pair_ranks[index]
-        if index < len(pair_ranks):
-            pair_ranks[index] = ranks.get((ids[index], ids[index + 1]), _NO_MERGE)
-        if index > 0:
-            pair_ranks[index - 1] = ranks.get((ids[index - 1], ids[index]), _NO_MERGE)
-    return ids
-
-
-def _merge_with_heap(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    """Same result as ``_merge_by_scan`` in O(n log n): a heap of (rank, position) over a linked list.
-
-    A heap entry is stale when either end was merged away or changed since it was pushed; it is skipped on pop.
-    Popping by (rank, position) merges the lowest rank first and, among equal ranks, the leftmost first.
-    """
-    n = len(ids)
-    tokens = list(ids)
-    next_index = list(range(1, n + 1))
-    prev_index = list(range(-1, n - 1))
-    alive = [True] * n
-    heap = []
-    for index in range(n - 1):
-        found = ranks.get((tokens[index], tokens[index + 1]))
-        if found is not None:
-            heap.append((found[0], index, tokens[index], tokens[index + 1], found[1]))
-    heapq.heapify(heap)
-    while heap:
-        _, index, left, right, merged = heapq.heappop(heap)
-        right_index = next_index[index] if alive[index] else n
-        if right_index >= n or tokens[index] != left or tokens[right_index] != right:
-            continue  # stale
-        tokens[index] = merged
-        alive[right_index] = False
-        next_index[index] = next_index[right_index]
-        if next_index[index] < n:
-            prev_index[next_index[index]] = index
-        for a in (prev_index[index], index):
-            b = next_index[a] if a >= 0 else n
-            if a >= 0 and b < n and (found := ranks.get((tokens[a], tokens[b]))) is not None:
-                heapq.heappush(heap, (found[0], a, tokens[a], tokens[b], found[1]))
-    return [tokens[i] for i in range(n) if alive[i]]
-
-
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Switch the cyclic garbage collector off for the block (if it was on), then back on."""
@@ -509,37 +433,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _spaced_word_pieces(word: str) -> list[str]:
-    """The GPT-2 pre-tokens of " " + word, for a complete word."""
-    return [" " + word] if _is_one_pretoken(word) else GPT2_SPLIT_REGEX.findall(" " + word)
-
-
-def _is_one_pretoken(word: str) -> bool:
-    """Whether " " + word is one GPT-2 pre-token (`` ?\\p{L}+`` or `` ?\\p{N}+``), for the common ASCII case."""
-    return word.isascii() and (word.isalpha() or word.isdigit())
-
-
-def _is_complete(word: str) -> bool:
-    """Whether " " + word is a chunk on its own: word is not empty and ends in a non-whitespace character."""
-    return bool(word) and not _ends_in_whitespace(word)
-
-
-def _ends_in_whitespace(word: str) -> bool:
-    """Whether word's last character is whitespace in the GPT-2 pattern's sense (regex ``\\s``)."""
-    last = word[-1]
-    if last.isascii():  # nearly always; a set lookup is cheaper than a regex call
-        return last in _ASCII_WHITESPACE
-    return _WHITESPACE.match(last) is not None
-
-
-def _last_space_boundary(text: str) -> int:
-    """Index of the last space in text that follows a non-whitespace character, or 0 if there is none."""
-    space = text.rfind(" ")
-    while space > 0 and _WHITESPACE.match(text, space - 1):
-        space = text.rfind(" ", 0, space - 1)
-    return max(space, 0)
 
 
 def _unencodable_message(text: str, offset: int) -> str:
