@@ -1,7 +1,7 @@
 """One full training step (forward, backward, clip, AdamW) of ours vs transformers' LlamaForCausalLM, plus the
 trainer's own per-step overhead (data loading from a memmap, the sync-free bookkeeping, amortized logging).
 
-Ours: ``scratchlm.train.trainer.train_step`` exactly as the trainer runs it (our attention, our AdamW foreach,
+Ours: ``scratchlm.train.step.train_step`` exactly as the trainer runs it (our attention, our AdamW foreach,
 our clipping). Rivals: ``LlamaForCausalLM`` with eager attention and with SDPA, built from the SAME random
 weights through scratchlm.compat.hf, trained with ``torch.optim.AdamW(foreach=True)`` (same decay groups),
 ``F.cross_entropy`` and ``clip_grad_norm_``. tinystories-17m, fp32, batch 8 x 256, 2 threads, interleaved.
@@ -30,7 +30,8 @@ from scratchlm.config import RunConfig  # noqa: E402
 from scratchlm.data.batches import BatchSampler  # noqa: E402
 from scratchlm.data.token_file import open_token_file, write_token_file  # noqa: E402
 from scratchlm.train.metrics import MetricsLogger  # noqa: E402
-from scratchlm.train.trainer import DivergenceWatch, build_model, build_optimizer, train_step  # noqa: E402
+from scratchlm.train.setup import build_model, build_optimizer  # noqa: E402
+from scratchlm.train.step import DivergenceWatch, train_step  # noqa: E402
 
 BATCH, LOG_EVERY = 8, 10
 

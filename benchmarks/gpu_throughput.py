@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/gpu_throughput.py --out gpu_results/gpu_throughput.json [--quick]`` (writes the JSON and
 a Markdown table beside it, ``.md``). Without CUDA it says so and exits 0. Not named bench_*: it needs a GPU.
 
-What is timed: ``trainer.train_step`` (forward, backward, global-norm clipping, our AdamW) exactly as the trainer
+What is timed: ``step.train_step`` (forward, backward, global-norm clipping, our AdamW) exactly as the trainer
 runs it, with the one-GPU fast path switched on: bf16 autocast (fp32 master weights), TF32 matmuls,
 ``torch.compile`` of the model and the fused SDPA attention kernel. Batches are random token ids already on the
 GPU: the trainer's pinned, non-blocking copies overlap compute, so data loading is not what this measures.
@@ -30,7 +30,8 @@ import torch
 from scratchlm.accounting.params_flops import training_step_flops
 from scratchlm.config import RunConfig
 from scratchlm.train.metrics import device_peak_flops
-from scratchlm.train.trainer import build_model, build_optimizer, train_step, wrap_model
+from scratchlm.train.setup import build_model, build_optimizer, wrap_model
+from scratchlm.train.step import train_step
 
 TARGETS = {"tinystories-17m": ("tokens_per_s", 400_000), "gpt2-small": ("mfu", 0.45)}
 

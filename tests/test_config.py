@@ -172,7 +172,7 @@ def test_config_that_is_a_folder_is_a_clear_error(tmp_path: Path):
 def test_tf32_is_a_train_switch_that_only_touches_cuda():
     import torch
 
-    from scratchlm.train.trainer import set_matmul_precision
+    from scratchlm.train.setup import set_matmul_precision
 
     assert RunConfig().train.tf32 is True
     before = torch.backends.cuda.matmul.allow_tf32

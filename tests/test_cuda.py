@@ -28,7 +28,8 @@ from scratchlm.model import TransformerLM
 from scratchlm.model.config import PRESETS, ModelConfig
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.train.loss import cross_entropy
-from scratchlm.train.trainer import build_optimizer, train_step
+from scratchlm.train.setup import build_optimizer
+from scratchlm.train.step import train_step
 
 pytestmark = pytest.mark.cuda
 

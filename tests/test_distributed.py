@@ -34,7 +34,8 @@ from scratchlm.data.batches import BatchSampler
 from scratchlm.data.token_file import write_token_file
 from scratchlm.model import TransformerLM
 from scratchlm.train import distributed
-from scratchlm.train.trainer import build_optimizer, train_step
+from scratchlm.train.setup import build_optimizer
+from scratchlm.train.step import train_step
 
 WORLD_SIZE = 2
 MICRO_BATCHES = 2  # gradient accumulation: exercises no_sync on all but the last micro-batch

@@ -23,7 +23,9 @@ from scratchlm.cli import main as cli_main
 from scratchlm.config import RunConfig, load_config
 from scratchlm.data.token_file import write_token_file
 from scratchlm.model import TransformerLM
-from scratchlm.train.trainer import build_optimizer, train, train_step
+from scratchlm.train.setup import build_optimizer
+from scratchlm.train.step import train_step
+from scratchlm.train.trainer import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SENTENCES = [b"the cat sat on the mat. ", b"a dog ran to the park. ", b"we like red apples! ",

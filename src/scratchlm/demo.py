@@ -165,7 +165,8 @@ def demo_config(paths: DemoPaths, vocab_size: int, overrides: list[str]) -> RunC
 def measure_step_seconds(config: RunConfig, steps: int = 2) -> float:
     """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`."""
     from scratchlm.data.batches import BatchSampler
-    from scratchlm.train.trainer import build_model, build_optimizer, open_data, select_device, train_step
+    from scratchlm.train.setup import build_model, build_optimizer, open_data, select_device
+    from scratchlm.train.step import train_step
 
     device = select_device(config.train.device)
     train_tokens, _ = open_data(config)

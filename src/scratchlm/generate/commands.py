@@ -53,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from scratchlm.cli import UserError
     from scratchlm.generate.sampling import stream
     from scratchlm.train.checkpoint import load_for_inference
-    from scratchlm.train.trainer import select_device
+    from scratchlm.train.setup import select_device
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")

@@ -90,7 +90,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from scratchlm.data.token_file import open_token_file
     from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.loss import perplexity
-    from scratchlm.train.trainer import evaluate, select_device
+    from scratchlm.train.setup import select_device
+    from scratchlm.train.step import evaluate
 
     if args.batch_size < 1 or (args.batches is not None and args.batches < 1):
         raise UserError("--batch-size and --batches must be positive")

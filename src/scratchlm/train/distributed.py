@@ -112,7 +112,7 @@ def teardown(*, clean: bool = True) -> None:
 @contextlib.contextmanager
 def launch(config: RunConfig, parallel: str = "ddp") -> Iterator[Launch]:
     """Set up DDP/FSDP2 under torchrun (and tear it down after), or pass through for a single process."""
-    from scratchlm.train.trainer import wrap_model
+    from scratchlm.train.setup import wrap_model
 
     if not launched_by_torchrun():
         yield Launch(config=config, wrap=wrap_model)

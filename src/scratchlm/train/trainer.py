@@ -1,11 +1,12 @@
 """The training loop: RunConfig in, a run directory (checkpoints, metrics.jsonl, curves.png, config.toml) out.
 
+Its pieces live beside it: setup.py builds a run (device, data, model, optimizer, run directory) and step.py runs
+one optimizer step and evaluation; this file orders them, and owns the sync points, resume and stopping.
+
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
-- ``build_model`` makes the plain TransformerLM; ``wrap_model`` applies torch.compile. A data-parallel launcher
-  passes its own ``wrap`` (DDP/FSDP) to ``train``; the rank and world size come from torch.distributed, and
+- ``train`` wraps the plain model with ``wrap`` (``wrap_model``, torch.compile, by default). A data-parallel
+  launcher passes its own ``wrap`` (DDP/FSDP); the rank and world size come from torch.distributed, and
   only the main process (rank 0) logs, plots and writes checkpoints. The unwrapped module is what is saved.
-- ``train_step`` is one optimizer step: k micro-batches, each loss scaled by 1/k so the accumulated gradient
-  equals one batch k times larger; global-norm clipping; AdamW with the scheduled learning rate.
 - No host sync per step: the loss is summed on the device, and non-finite values are recorded on the device
   (first bad step, its loss and grad norm); both are read only at log, eval and checkpoint steps. A diverged
   run is therefore never checkpointed, and the last good checkpoint survives.
@@ -17,7 +18,6 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import signal
@@ -32,15 +32,21 @@ import torch
 from torch import nn
 
 from scratchlm.config import RunConfig
-from scratchlm.data.batches import BatchSampler, validation_batches
-from scratchlm.model import TransformerLM
-from scratchlm.optim.adamw import AdamW, param_groups_for
-from scratchlm.optim.clip import clip_gradients
-from scratchlm.optim.schedule import lr_cosine_schedule
+from scratchlm.data.batches import BatchSampler
 from scratchlm.train import distributed
-from scratchlm.train.loss import cross_entropy, perplexity
+from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, plot_curves
+from scratchlm.train.setup import (
+    build_model,
+    build_optimizer,
+    open_data,
+    prepare_run_dir,
+    select_device,
+    set_matmul_precision,
+    wrap_model,
+)
+from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
 
 CONFIG_FILE = "config.toml"
 
@@ -90,166 +96,6 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def set_matmul_precision(device: torch.device, tf32: bool) -> None:
-    """TF32 for fp32 matmuls on CUDA: several times the fp32 throughput on Ampere and newer, with fp32
-    accumulation, which training tolerates (bf16 autocast rounds far more). Nothing changes on other devices."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-
-
-def select_device(name: str) -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device = {name!r} but CUDA is not available on this machine (use auto or cpu)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"train.device = {name!r} but MPS is not available on this machine (use auto or cpu)")
-    return device
-
-
-def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash."""
-    tokenizer_hash = None
-    if config.data.tokenizer:
-        from scratchlm.tokenizer.tokenizer import Tokenizer
-
-        tokenizer_hash = Tokenizer.load(config.data.tokenizer).hash
-    train = _open_tokens(config.data.train_path, "data.train_path", config, tokenizer_hash)
-    val = _open_tokens(config.data.val_path, "data.val_path", config, tokenizer_hash) if config.data.val_path else None
-    return train, val
-
-
-def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
-    from scratchlm.data.token_file import open_token_file
-
-    if not path:
-        raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
-    tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
-    needed = config.model.context_length + 1
-    if len(tokens) < needed:
-        raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "
-                         f"{needed} needed for one training window")
-    return tokens
-
-
-def build_model(config: RunConfig, device: torch.device) -> TransformerLM:
-    torch.manual_seed(config.train.seed)
-    model = TransformerLM(config.model, device=device)
-    model.check_inputs = False  # the token files were checked against the vocabulary when opened
-    model.checkpoint_blocks = config.train.activation_checkpointing
-    model.set_fused_sdpa(config.train.fused_attention)
-    return model
-
-
-def wrap_model(model: nn.Module, config: RunConfig) -> nn.Module:
-    """Apply torch.compile from outside the model (a distributed launcher passes its own wrap instead)."""
-    return torch.compile(model) if config.train.compile else model
-
-
-def build_optimizer(model: nn.Module, config: RunConfig) -> AdamW:
-    optim = config.optim
-    return AdamW(param_groups_for(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                 weight_decay=optim.weight_decay)
-
-
-def learning_rate(step: int, config: RunConfig) -> float:
-    """Warm-up then cosine decay to min_lr over the run (or over optim.cosine_cycle_iters when set)."""
-    optim = config.optim
-    cycle = optim.cosine_cycle_iters or config.train.max_steps
-    return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, lr: float, grad_clip: float, dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
-
-    Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
-    measured before clipping. ``grad_clip`` = 0 measures the norm without clipping.
-    """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    device = batches[0][0].device
-    loss_sum = torch.zeros((), device=device)
-    for index, (inputs, targets) in enumerate(batches):
-        last = index == len(batches) - 1
-        # DDP all-reduces gradients on every backward unless told not to: only the last micro-batch syncs.
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with autocast(device, dtype):
-                logits = model(inputs)  # (b, T, V)
-            loss = cross_entropy(logits.float(), targets) / len(batches)
-            loss.backward()
-        loss_sum += loss.detach()
-    grad_norm = clip_gradients(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    grad_norm = distributed.as_full_tensor(grad_norm)  # FSDP2: a replicated DTensor -> a plain tensor
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: torch.device,
-             max_batches: int | None = None) -> float:
-    """Mean loss per token over the fixed validation sample (the first ``max_batches`` batches, or all)."""
-    total, count = torch.zeros((), device=device, dtype=torch.float64), 0
-    for inputs, targets in validation_batches(tokens, config.micro_batch_size, config.model.context_length,
-                                              device, max_batches=max_batches):
-        with autocast(device, config.train.dtype):
-            logits = model(inputs)  # (b, T, V)
-        total += cross_entropy(logits.float(), targets).double() * targets.numel()
-        count += targets.numel()
-    return (total / count).item()
-
-
-class DivergenceWatch:
-    """Records the first non-finite (or too large) step on the device; ``check`` reads it (a host sync)."""
-
-    def __init__(self, device: torch.device, max_loss: float | None) -> None:
-        self.max_loss = max_loss
-        self.first_step = torch.full((), -1, dtype=torch.long, device=device)
-        self.values = torch.zeros(2, device=device)  # (loss, grad norm) at that step
-
-    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-        if self.max_loss is not None:
-            bad |= loss > self.max_loss
-        new = bad & (self.first_step < 0)
-        self.first_step = torch.where(new, step, self.first_step)
-        self.values = torch.where(new, torch.stack([loss, grad_norm.to(loss.dtype)]), self.values)
-
-    def check(self) -> str | None:
-        step = int(self.first_step.item())
-        if step < 0:
-            return None
-        loss, norm = self.values.tolist()
-        limit = f" (train.max_loss = {self.max_loss})" if self.max_loss is not None and math.isfinite(loss) else ""
-        return f"diverged at step {step}: loss={loss:g}, grad_norm={norm:g}{limit}"
-
-
-def prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    """Create the run directory, prove it writable, and refuse to overwrite a run that has checkpoints."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise PermissionError(f"cannot write to run directory {run_dir}: {error.strerror or error}") from None
-    checkpoints = run_dir / "checkpoints"
-    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
-        raise ValueError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue that run, "
-                         f"or choose another --run-dir")
 
 
 def _rank_and_world_size() -> tuple[int, int]:

@@ -1,0 +1,105 @@
+"""Building a run's pieces: the device and its matmul precision, the token files, the model and its wrapping, the
+optimizer, the run directory. ``train`` calls these in order; the demo and the benchmarks call them directly.
+
+Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
+- ``build_model`` makes the plain TransformerLM; ``wrap_model`` applies torch.compile. A data-parallel launcher
+  passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
+- The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
+  training window), so the model's per-step token-id check is switched off.
+- The run directory is proven writable, and a run that already holds checkpoints refused without --resume,
+  before the data is opened or the model built: an unusable directory is one clear error up front.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from scratchlm.config import RunConfig
+from scratchlm.model import TransformerLM
+from scratchlm.optim.adamw import AdamW, param_groups_for
+
+
+def set_matmul_precision(device: torch.device, tf32: bool) -> None:
+    """TF32 for fp32 matmuls on CUDA: several times the fp32 throughput on Ampere and newer, with fp32
+    accumulation, which training tolerates (bf16 autocast rounds far more). Nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def select_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r} but CUDA is not available on this machine (use auto or cpu)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"train.device = {name!r} but MPS is not available on this machine (use auto or cpu)")
+    return device
+
+
+def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash."""
+    tokenizer_hash = None
+    if config.data.tokenizer:
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        tokenizer_hash = Tokenizer.load(config.data.tokenizer).hash
+    train = _open_tokens(config.data.train_path, "data.train_path", config, tokenizer_hash)
+    val = _open_tokens(config.data.val_path, "data.val_path", config, tokenizer_hash) if config.data.val_path else None
+    return train, val
+
+
+def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
+    from scratchlm.data.token_file import open_token_file
+
+    if not path:
+        raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
+    tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+    needed = config.model.context_length + 1
+    if len(tokens) < needed:
+        raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "
+                         f"{needed} needed for one training window")
+    return tokens
+
+
+def build_model(config: RunConfig, device: torch.device) -> TransformerLM:
+    torch.manual_seed(config.train.seed)
+    model = TransformerLM(config.model, device=device)
+    model.check_inputs = False  # the token files were checked against the vocabulary when opened
+    model.checkpoint_blocks = config.train.activation_checkpointing
+    model.set_fused_sdpa(config.train.fused_attention)
+    return model
+
+
+def wrap_model(model: nn.Module, config: RunConfig) -> nn.Module:
+    """Apply torch.compile from outside the model (a distributed launcher passes its own wrap instead)."""
+    return torch.compile(model) if config.train.compile else model
+
+
+def build_optimizer(model: nn.Module, config: RunConfig) -> AdamW:
+    optim = config.optim
+    return AdamW(param_groups_for(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                 weight_decay=optim.weight_decay)
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Create the run directory, prove it writable, and refuse to overwrite a run that has checkpoints."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise PermissionError(f"cannot write to run directory {run_dir}: {error.strerror or error}") from None
+    checkpoints = run_dir / "checkpoints"
+    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise ValueError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue that run, "
+                         f"or choose another --run-dir")
+

@@ -1,0 +1,107 @@
+"""One optimization step and evaluation: the learning-rate schedule, autocast, ``train_step``, ``evaluate`` and
+``DivergenceWatch``, the on-device record of the first bad step. The loop around them is trainer.py.
+
+Design:
+- ``train_step`` is one optimizer step: k micro-batches, each loss scaled by 1/k so the accumulated gradient
+  equals one batch k times larger; global-norm clipping; AdamW with the scheduled learning rate.
+- No host sync: ``train_step`` returns its loss and grad norm as device tensors, and ``DivergenceWatch`` records
+  non-finite values on the device (first bad step, its loss and grad norm); the loop reads them only at log,
+  eval and checkpoint steps, so the device is never waited on between steps.
+- bf16 autocast covers only the forward; the loss is taken in fp32 on fp32 logits, and the weights stay fp32.
+- Data-parallel wrappers are handled here without knowing which is in use: DDP's ``no_sync`` when the model has
+  it, and FSDP2's replicated grad norm turned back into a plain tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from scratchlm.config import RunConfig
+from scratchlm.data.batches import validation_batches
+from scratchlm.optim.clip import clip_gradients
+from scratchlm.optim.schedule import lr_cosine_schedule
+from scratchlm.train import distributed
+from scratchlm.train.loss import cross_entropy
+
+
+def learning_rate(step: int, config: RunConfig) -> float:
+    """Warm-up then cosine decay to min_lr over the run (or over optim.cosine_cycle_iters when set)."""
+    optim = config.optim
+    cycle = optim.cosine_cycle_iters or config.train.max_steps
+    return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               *, lr: float, grad_clip: float, dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
+
+    Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
+    measured before clipping. ``grad_clip`` = 0 measures the norm without clipping.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device = batches[0][0].device
+    loss_sum = torch.zeros((), device=device)
+    for index, (inputs, targets) in enumerate(batches):
+        last = index == len(batches) - 1
+        # DDP all-reduces gradients on every backward unless told not to: only the last micro-batch syncs.
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast(device, dtype):
+                logits = model(inputs)  # (b, T, V)
+            loss = cross_entropy(logits.float(), targets) / len(batches)
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_gradients(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = distributed.as_full_tensor(grad_norm)  # FSDP2: a replicated DTensor -> a plain tensor
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: torch.device,
+             max_batches: int | None = None) -> float:
+    """Mean loss per token over the fixed validation sample (the first ``max_batches`` batches, or all)."""
+    total, count = torch.zeros((), device=device, dtype=torch.float64), 0
+    for inputs, targets in validation_batches(tokens, config.micro_batch_size, config.model.context_length,
+                                              device, max_batches=max_batches):
+        with autocast(device, config.train.dtype):
+            logits = model(inputs)  # (b, T, V)
+        total += cross_entropy(logits.float(), targets).double() * targets.numel()
+        count += targets.numel()
+    return (total / count).item()
+
+
+class DivergenceWatch:
+    """Records the first non-finite (or too large) step on the device; ``check`` reads it (a host sync)."""
+
+    def __init__(self, device: torch.device, max_loss: float | None) -> None:
+        self.max_loss = max_loss
+        self.first_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.values = torch.zeros(2, device=device)  # (loss, grad norm) at that step
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+        if self.max_loss is not None:
+            bad |= loss > self.max_loss
+        new = bad & (self.first_step < 0)
+        self.first_step = torch.where(new, step, self.first_step)
+        self.values = torch.where(new, torch.stack([loss, grad_norm.to(loss.dtype)]), self.values)
+
+    def check(self) -> str | None:
+        step = int(self.first_step.item())
+        if step < 0:
+            return None
+        loss, norm = self.values.tolist()
+        limit = f" (train.max_loss = {self.max_loss})" if self.max_loss is not None and math.isfinite(loss) else ""
+        return f"diverged at step {step}: loss={loss:g}, grad_norm={norm:g}{limit}"
