@@ -21,12 +21,11 @@ from scratchlm.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointWarning,
-    capture_rng_state,
     load_checkpoint,
     load_for_inference,
-    restore_rng_state,
     save_checkpoint,
 )
+from scratchlm.train.checkpoint_state import capture_rng_state, restore_rng_state
 from scratchlm.train.loss import cross_entropy
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=5_000).astype(np.uint16)

@@ -135,7 +135,7 @@ def read_hf_llama(model_dir: Path):
 
     from scratchlm.compat.hf import from_hf_state_dict, hf_config_to_model_config
     from scratchlm.model import TransformerLM
-    from scratchlm.train.checkpoint import load_model_state
+    from scratchlm.train.checkpoint_state import load_model_state
 
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if hf_config.model_type != "llama":

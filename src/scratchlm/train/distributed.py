@@ -241,7 +241,7 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from scratchlm.train.checkpoint import unwrap
+    from scratchlm.train.checkpoint_state import unwrap
 
     model = unwrap(model)
     if not is_fsdp(model):
@@ -270,7 +270,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     """Inverse of ``full_state_dicts``: every rank passes the same full dicts (None: leave that part)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from scratchlm.train.checkpoint import unwrap
+    from scratchlm.train.checkpoint_state import unwrap
 
     model = unwrap(model)
     if not is_fsdp(model):
