@@ -20,7 +20,7 @@ def _candidates() -> list[Path]:
     found.append(Path.cwd().parent / "shared" / "data")
     repo_root = Path(__file__).resolve().parents[2]  # src/scratchlm/paths.py -> repo root
     found.append(repo_root.parent / "shared" / "data")
-    return found
+    return list(dict.fromkeys(found))  # run from the checkout itself, the last two are the same folder
 
 
 def shared_data_dir() -> Path | None:
