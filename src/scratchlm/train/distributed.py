@@ -96,17 +96,28 @@ def setup(device: str = "auto") -> torch.device:
 
 
 def teardown(*, clean: bool = True) -> None:
-    """Destroy the process group; after a clean finish, first wait for every rank.
+    """Destroy the process group; after a clean finish, first wait until every rank is out of its collectives.
 
-    Why the barrier: a rank that tears down while a peer is still in its last collective can abort gloo's
-    threads ("terminate called without an active exception"). After an error there is no barrier: the peers
-    may be inside another collective and would never reach it (torchrun stops them instead).
+    Why: a rank that tears down while a peer is still in a collective closes the connections under it, and the
+    peer's gloo threads abort ("terminate called without an active exception"). A barrier alone does not
+    suffice: it returns on one rank while another is still receiving its last message. So the ranks first meet
+    in a barrier (the last collective), then report through the rendezvous store that they have left it, and
+    destroy the group only when all have. After an error there is no waiting: the peers may be inside another
+    collective and would never arrive (torchrun stops them instead).
     """
     if not is_distributed():
         return
     if clean:
         dist.barrier()
+        _wait_until_every_rank_left_the_barrier()
     dist.destroy_process_group()
+
+
+def _wait_until_every_rank_left_the_barrier() -> None:
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store: TCP, not the gloo connections
+    done = [f"scratchlm/teardown/rank{rank}" for rank in range(dist.get_world_size())]
+    store.set(done[dist.get_rank()], "1")
+    store.wait(done)
 
 
 @contextlib.contextmanager
