@@ -44,17 +44,23 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (rows > _FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-                or (rows > 1 and self.in_features > self.out_features)):
+        if not self._faster_as_w_xt(x, rows):
             return x @ self.weight.t()  # (..., in) @ (in, out) -> (..., out)
-        # A few rows (decoding): on CPU, BLAS runs x Wᵀ with a row-major W through matrix-vector kernels at a third
-        # of memory speed or less, while W xᵀ, (out, in) @ (in, rows), streams W through the matrix-matrix kernel
-        # (measured here: 2.1x decoding tokens/s at batch 1, 1.3x at batch 8). One row is doubled to get it.
-        # Exception, also measured: from 2 rows on, a W wider than tall (the FFN's down projection) is faster as
-        # x Wᵀ (+7% decoding tokens/s at batch 8; at batch 1 W xᵀ still wins for every shape).
         flat = x.reshape(rows, self.in_features)
-        columns = torch.cat((flat, flat)).t() if rows == 1 else flat.t()
+        columns = torch.cat((flat, flat)).t() if rows == 1 else flat.t()  # a single row is doubled (see below)
         return (self.weight @ columns).t()[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def _faster_as_w_xt(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether (W xᵀ)ᵀ beats x Wᵀ: for a few float32 rows on CPU (decoding), measured here.
+
+        BLAS runs x Wᵀ with a row-major W through matrix-vector kernels at a third of memory speed or less, while
+        W xᵀ, (out, in) @ (in, rows), streams W through the matrix-matrix kernel: 2.1x decoding tokens/s at
+        batch 1 (one row doubled to reach that kernel), 1.3x at batch 8. The exception: from 2 rows on, a W wider
+        than tall (the FFN's down projection) is faster as x Wᵀ (+7% tokens/s at batch 8).
+        """
+        if rows > _FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        return rows == 1 or self.in_features <= self.out_features
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
