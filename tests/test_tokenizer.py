@@ -3,6 +3,7 @@ encoding, round-trips, both file formats, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 
@@ -184,6 +185,22 @@ def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
     gpt2.clear_cache()
     assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
     assert learned and learned[0] > 1000
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_learning_words_leaves_the_garbage_collector_as_it_found_it(gpt2, collector_on):
+    """``_learn_words`` pauses the cyclic GC; afterwards (even after an error) it is on again only if it was on."""
+    was_on = gc.isenabled()
+    try:
+        gc.enable() if collector_on else gc.disable()
+        gpt2.clear_cache()
+        gpt2._learn_words({"alpha", "beta,", "(gamma)"})
+        assert gc.isenabled() == collector_on
+        with pytest.raises(UnicodeEncodeError):
+            gpt2._learn_words({"lone\ud800surrogate"})
+        assert gc.isenabled() == collector_on
+    finally:
+        gc.enable() if was_on else gc.disable()
 
 
 @SETTINGS
