@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+from itertools import product
 
 import pytest
 import regex
@@ -17,6 +18,7 @@ from conftest import require_shared
 from scratchlm.tokenizer import GPT2_SPLIT_PATTERN, Tokenizer
 from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.merge import merge_by_scan, merge_with_heap
+from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, pretokens, split_pretokens
 from scratchlm.tokenizer.reference import reference_encode
 
 EOT = "<|endoftext|>"
@@ -160,6 +162,21 @@ def test_word_ends_decide_the_split_as_the_regex_does(gpt2, tik):
     assert Tokenizer(vocab, merges).encode(text) == reference_encode(text, vocab, merges)
     gpt2.clear_cache()
     assert gpt2.encode_ordinary(text) == tik.encode_ordinary(text)
+
+
+def test_ascii_pattern_splits_short_ascii_strings_as_the_unicode_pattern():
+    """Every string of up to 4 characters over letters of the contractions, a digit, the apostrophe, punctuation,
+    and whitespace both patterns treat alike (space, \\t, \\n, \\r, \\v, \\f) and unlike ``re``'s \\s (\\x1c, \\x1f)."""
+    alphabet = "adelrstv0'.-" + " \t\n\r\x0b\x0c\x1c\x1f"
+    for length in range(5):
+        for text in map("".join, product(alphabet, repeat=length)):
+            assert GPT2_ASCII_SPLIT_REGEX.findall(text) == pretokens(text), repr(text)
+
+
+@SETTINGS
+@given(st.text(st.characters(max_codepoint=127), max_size=60))
+def test_ascii_pattern_splits_any_ascii_text_as_the_unicode_pattern(text):
+    assert split_pretokens(text) == GPT2_ASCII_SPLIT_REGEX.findall(text) == pretokens(text)
 
 
 @settings(max_examples=200, deadline=None)

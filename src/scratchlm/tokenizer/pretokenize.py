@@ -10,6 +10,7 @@ non-whitespace character always starts a pre-token, so " " + word is pre-tokeniz
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import regex
@@ -19,6 +20,12 @@ GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}
 GPT2_SPLIT_REGEX = regex.compile(GPT2_SPLIT_PATTERN)
 _WHITESPACE = regex.compile(r"\s")
 _ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
+# The same pattern for ASCII-only text, where \p{L} is [A-Za-z], \p{N} is [0-9] and \s is _ASCII_WHITESPACE
+# (spelled out: the standard library's \s also takes \x1c-\x1f). ``re`` runs it 2-3x faster per call than
+# ``regex`` runs the Unicode pattern, and the encoder's cold path makes one call per new word.
+_S = r"\t\n\x0b\x0c\r "
+GPT2_ASCII_SPLIT_REGEX = re.compile(
+    rf"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_S}A-Za-z0-9]+|[{_S}]+(?![^{_S}])|[{_S}]+""")
 
 
 def validate_special_tokens(special_tokens: Iterable[str] | None) -> list[str]:
@@ -59,13 +66,18 @@ def split_on_special_tokens(text: str, special_regex: regex.Pattern | None) -> I
 
 
 def pretokens(text: str) -> list[str]:
-    """GPT-2 pre-tokens of text that holds no special tokens."""
+    """GPT-2 pre-tokens of text that holds no special tokens, by the Unicode pattern alone (the reference)."""
     return GPT2_SPLIT_REGEX.findall(text)
+
+
+def split_pretokens(text: str) -> list[str]:
+    """``pretokens(text)``, through the faster ASCII pattern when text is ASCII (an O(1) check in CPython)."""
+    return (GPT2_ASCII_SPLIT_REGEX if text.isascii() else GPT2_SPLIT_REGEX).findall(text)
 
 
 def spaced_word_pieces(word: str) -> list[str]:
     """The GPT-2 pre-tokens of " " + word, for a complete word."""
-    return [" " + word] if is_one_pretoken(word) else GPT2_SPLIT_REGEX.findall(" " + word)
+    return [" " + word] if is_one_pretoken(word) else split_pretokens(" " + word)
 
 
 def is_one_pretoken(word: str) -> bool:

@@ -27,7 +27,6 @@ from pathlib import Path
 from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.merge import merge_ids, merge_table
 from scratchlm.tokenizer.pretokenize import (
-    GPT2_SPLIT_REGEX,
     ends_in_whitespace,
     is_complete_word,
     is_one_pretoken,
@@ -35,6 +34,7 @@ from scratchlm.tokenizer.pretokenize import (
     spaced_word_pieces,
     special_token_regex,
     split_on_special_tokens,
+    split_pretokens,
     validate_special_tokens,
 )
 
@@ -217,7 +217,7 @@ class Tokenizer:
             if ends_in_whitespace(first):
                 segment = [first]
             else:
-                self._encode_pretokens(GPT2_SPLIT_REGEX.findall(first), out)
+                self._encode_pretokens(split_pretokens(first), out)
         for word in islice(words, 1, None):
             ids = lookup(word)
             if ids is not None and segment is None:
@@ -231,10 +231,10 @@ class Tokenizer:
             else:
                 segment += (" ", word)
                 if complete:
-                    self._encode_pretokens(GPT2_SPLIT_REGEX.findall("".join(segment)), out)
+                    self._encode_pretokens(split_pretokens("".join(segment)), out)
                     segment = None
         if segment is not None:
-            self._encode_pretokens(GPT2_SPLIT_REGEX.findall("".join(segment)), out)
+            self._encode_pretokens(split_pretokens("".join(segment)), out)
 
     def _mostly_new(self, words: list[str]) -> bool:
         """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
@@ -259,20 +259,24 @@ class Tokenizer:
         """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
         lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
 
-        Words that are one pre-token (``is_one_pretoken``, most of them) need no regex. The others are joined
-        with spaces and pre-tokenized in one regex call: each is complete, so the space before it starts its
-        first pre-token and no pre-token crosses it, and each word's pre-tokens are the run that starts with " ".
+        Words that are one pre-token (``is_one_pretoken``) need no regex. The others are joined with spaces and
+        pre-tokenized in one regex call per group (ASCII words, then the rest): each is complete, so the space
+        before it starts its first pre-token and no pre-token crosses it, and each word's pre-tokens are the run
+        that starts with " ".
         The cyclic garbage collector is paused meanwhile: the tens of thousands of id tuples made here hold no
         cycles, yet would set off a collection every few hundred (a fifth of a cold encode's time).
         """
         with _gc_paused():
             complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and is_complete_word(word)]
             simple: list[str] = []
-            other: list[str] = []
+            ascii_other: list[str] = []
+            unicode_other: list[str] = []
             for word in complete:
-                (simple if is_one_pretoken(word) else other).append(word)
+                (simple if is_one_pretoken(word) else ascii_other if word.isascii() else unicode_other).append(word)
             simple_pieces = [" " + word for word in simple]
-            other_pieces = GPT2_SPLIT_REGEX.findall(" " + " ".join(other)) if other else []
+            other = ascii_other + unicode_other  # each group is pre-tokenized in one call; ASCII by the fast pattern
+            other_pieces = [piece for group in (ascii_other, unicode_other) if group
+                            for piece in split_pretokens(" " + " ".join(group))]
             cache = self._cache
             pieces = set(simple_pieces).union(other_pieces)
             if len(cache) + len(pieces) > self._cache_size:
@@ -346,7 +350,7 @@ class Tokenizer:
         if boundary > 0:
             self._encode_ordinary(open_piece[:boundary], ids)
             return ids, open_piece[boundary:] + pending
-        pretokens = GPT2_SPLIT_REGEX.findall(open_piece)
+        pretokens = split_pretokens(open_piece)
         held: list[str] = []
         held_chars = 0
         while pretokens and held_chars < _LOOKAHEAD_CHARS:
