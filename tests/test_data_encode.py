@@ -63,6 +63,13 @@ def test_one_and_two_workers_give_identical_files_equal_to_encode(tokenizer, tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "one.tok", "two.tok"]
 
 
+def test_ranges_shrink_towards_the_end_so_workers_finish_together(tokenizer, tmp_path, small_chunks):
+    path = tmp_path / "lines.txt"
+    path.write_text("a line of text\n" * 20_000, encoding="utf-8")
+    sizes = [end - start for _, start, end in _plan_ranges([path], tokenizer, workers=2)]
+    assert sizes[0] > 4 * sizes[-2] and sorted(sizes[:-1], reverse=True) == sizes[:-1]
+
+
 def test_paragraph_breaks_are_safe_cuts(tokenizer, tmp_path, small_chunks):
     # Only paragraph breaks X"\n\n"Y can be cut here; the other separators must never be cut inside.
     separators = [".\n\nThe", "!\n\n\nA", " \n\nB", "c\n\n C", "d\n\n\tD", "e\n\n\r\nE", "f\r\n\r\nF"]

@@ -46,6 +46,10 @@ def test_out_of_range_ids_are_refused_and_nothing_is_written(tmp_path):
         write_token_file(tmp_path / "x.tok", [[1, 2], [3, 4, 10]], vocab_size=10)
     with pytest.raises(ValueError, match=r"token id -1 at position 1"):
         write_token_file(tmp_path / "x.tok", [0, -1], vocab_size=10)
+    with pytest.raises(ValueError, match=rf"token id {2**40} at position 1"):  # too big for the fast list path
+        write_token_file(tmp_path / "x.tok", [0, 2**40], vocab_size=10)
+    with pytest.raises(ValueError, match="1-D sequence of integers"):
+        write_token_file(tmp_path / "x.tok", [0, 1.5], vocab_size=10)
     assert list(tmp_path.iterdir()) == []
 
 

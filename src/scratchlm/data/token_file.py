@@ -18,6 +18,7 @@ that the size matches the header exactly, so truncated and foreign files are ref
 
 from __future__ import annotations
 
+import array
 import os
 import struct
 import tempfile
@@ -75,18 +76,18 @@ class TokenFileWriter:
 
     def write(self, ids) -> None:
         """Append ids (a list or array of ints, each in 0..vocab_size-1)."""
-        array = np.asarray(ids)
-        if array.size == 0:
+        tokens = _as_array(ids)
+        if tokens.size == 0:
             return
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be a 1-D sequence of integers, got shape {array.shape} {array.dtype}")
-        low, high = int(array.min()), int(array.max())
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be a 1-D sequence of integers, got shape {tokens.shape} {tokens.dtype}")
+        low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
-            position = self.num_tokens + int(np.argmax(array == bad))
+            position = self.num_tokens + int(np.argmax(tokens == bad))
             raise ValueError(f"token id {bad} at position {position} is outside the vocab (0..{self.vocab_size - 1})")
-        self._file.write(array.astype(self.dtype, copy=False).tobytes())
-        self.num_tokens += array.size
+        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self.num_tokens += tokens.size
 
     def close(self) -> Path:
         """Write the header, fsync and move the file into place; returns its path."""
@@ -113,6 +114,17 @@ class TokenFileWriter:
             self.close()
         else:
             self.abort()
+
+
+def _as_array(ids) -> np.ndarray:
+    """ids as a numpy array; a list of ints goes through ``array.array`` (4x faster than ``np.asarray``, which
+    inspects every element's type: a third of writing an encoder's output)."""
+    if type(ids) is list:
+        try:
+            return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+        except (OverflowError, TypeError):  # negative, >= 2**32 or not ints: np.asarray keeps them for the error
+            pass
+    return np.asarray(ids)
 
 
 def write_token_file(path: str | Path, ids, *, vocab_size: int, tokenizer_hash: str | None = None) -> Path:
