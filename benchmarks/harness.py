@@ -2,7 +2,7 @@
 
 Every benchmark times each contender in alternation (ours, rival, ours, rival, ...) so that drift in the
 machine's load hits both alike, then reports medians and the ratio. Memory is the peak RSS of the whole
-process tree (a contender that forks workers is charged for all of them), sampled from a subprocess.
+process tree (a contender that forks workers is charged for all of them), sampled by a thread.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ def _tree_rss(process: psutil.Process) -> int:
     return total
 
 
+def run_timed(argv: list[str]) -> float:
+    """Run a command with nothing else running beside it; return its wall seconds."""
+    start = time.perf_counter()
+    subprocess.run(argv, stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
 def run_measured(argv: list[str], interval: float = 0.01) -> tuple[float, float, str]:
     """Run a command; return (wall seconds, peak RSS of its process tree in MB, stdout)."""
     start = time.perf_counter()
@@ -86,13 +93,17 @@ def run_measured(argv: list[str], interval: float = 0.01) -> tuple[float, float,
 
 
 def interleave_commands(commands: dict[str, list[str]], repeats: int) -> dict[str, Result]:
-    """Run whole commands in alternation, measuring wall time and peak RSS of each process tree."""
+    """Run whole commands in alternation: timed runs, then one run each for the peak RSS of its process tree.
+
+    Memory is sampled in runs of its own because the sampler walks the process table every few milliseconds:
+    on 2 cores that steals time from a contender with 2 busy processes, not from a single-threaded one.
+    """
     results = {name: Result(name) for name in commands}
     for _ in range(repeats):
         for name, argv in commands.items():
-            seconds, peak_mb, _ = run_measured(argv)
-            results[name].seconds.append(seconds)
-            results[name].peak_rss_mb.append(peak_mb)
+            results[name].seconds.append(run_timed(argv))
+    for name, argv in commands.items():
+        results[name].peak_rss_mb.append(run_measured(argv)[1])
     return results
 
 
