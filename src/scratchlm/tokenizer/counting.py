@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import multiprocessing.context
 
-from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_REGEX, special_token_regex, split_on_special_tokens
+from scratchlm.tokenizer.pretokenize import special_token_regex, split_on_special_tokens, split_pretokens
 
 ERROR_POLICIES = ("strict", "replace")
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # upper bound on what one worker holds at a time
@@ -135,7 +135,7 @@ def count_chunk(task: tuple[Chunk, list[str], str]) -> Counter[str]:
     for piece, is_special in split_on_special_tokens(text, special_token_regex(special_tokens)):
         if not is_special:
             for part in word_aligned_parts(piece):
-                counts.update(GPT2_SPLIT_REGEX.findall(part))
+                counts.update(split_pretokens(part))
     return counts
 
 
