@@ -107,10 +107,11 @@ class TransformerLM(nn.Module):
         key_padding = attention_mask
         if kv_cache is not None:
             kv_cache.check_room(in_indices.shape[1], in_indices.shape[0])
-            cached_positions = kv_cache.positions_for(attention_mask, in_indices.shape[1])
-            if token_positions is None and (attention_mask is not None or kv_cache.has_padding):
-                token_positions = cached_positions
             kv_cache.has_padding |= attention_mask is not None
+            if kv_cache.has_padding:  # each row counts its real tokens (without padding RoPE starts at the length)
+                positions = kv_cache.positions_for(attention_mask, in_indices.shape[1])  # records the padding
+                if token_positions is None:
+                    token_positions = positions
             key_padding = kv_cache.key_padding if kv_cache.has_padding else None
         elif attention_mask is not None and token_positions is None:
             token_positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
