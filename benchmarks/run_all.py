@@ -83,7 +83,8 @@ def main() -> int:
         print(output)
     header = (f"# Benchmarks\n\nFigures recorded by `benchmarks/run_all.py` on {machine_description()}.\n"
               "Every benchmark runs scratchlm and its rival in the same run, interleaved, and reports medians and "
-              "the ratio. Rerun one section with the command shown under it.\n\n")
+              "the ratio. Whole commands are timed running alone; their peak RSS (the whole process tree) comes "
+              "from one more run each, sampled every 10 ms. Rerun one section with the command shown under it.\n\n")
     DOC.write_text(header + "\n".join(sections[name] for name in sorted(sections)))
     print(f"wrote {DOC}")
     return 1 if failed else 0
