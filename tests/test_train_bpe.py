@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import require_shared
 from scratchlm.cli import main
+from scratchlm.tokenizer import counting
 from scratchlm.tokenizer.counting import count_pretokens, plan_chunks, word_aligned_parts
 from scratchlm.tokenizer.pretokenize import pretokens
 from scratchlm.tokenizer.reference import (
@@ -153,6 +154,15 @@ def test_multiprocess_counting_equals_in_process(tmp_path):
     forked = count_pretokens([path], specials, num_workers=2, chunk_bytes=512, parallel_threshold=0)
     assert forked == count_pretokens([path], specials, num_workers=1)
     assert forked == reference_pretoken_counts(text, specials)
+
+
+@pytest.mark.parametrize("small_part_chars", [4, 64])
+def test_non_ascii_parts_counted_in_small_pieces_equal_the_reference(tmp_path, monkeypatch, small_part_chars):
+    # Non-ASCII parts are pre-tokenized in small word-aligned pieces (the ASCII ones by the ASCII pattern).
+    monkeypatch.setattr(counting, "SMALL_PART_CHARS", small_part_chars)
+    text = "".join(ADVERSARIAL.values()) * 3 + " naïve café, it's 12 o'clock.\n" * 40
+    path = write(tmp_path, text)
+    assert count_pretokens([path], [EOT], num_workers=1) == reference_pretoken_counts(text, [EOT])
 
 
 def test_several_input_files_are_counted_together(tmp_path):
