@@ -111,7 +111,7 @@ def _bench_whole_command(inputs: list[str], tokenizer_dir: Path, quick: bool, wo
     rival = harness.python_command(TIKTOKEN_SCRIPT.format(bench_dir=str(Path(__file__).parent), inputs=inputs,
                                                           out=str(workdir / "tiktoken.bin")))
     results = harness.interleave_commands({"scratchlm data encode (2 procs)": ours, "tiktoken (1 thread)": rival},
-                                          repeats=1 if quick else 3)
+                                          repeats=1 if quick else 5)
     return harness.report(f"whole command: encode {len(inputs)} file(s), {megabytes:.1f} MB", results,
                           "scratchlm data encode (2 procs)", "tiktoken (1 thread)", unit_work=megabytes, unit="MB")
 
