@@ -194,11 +194,11 @@ def test_heap_merging_equals_scan_merging(symbols, rng):
 
 
 def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
-    """A long text with an empty cache goes through ``_learn_words`` (batch BPE of its new words) first."""
+    """A long text with an empty cache goes through ``learn_words`` (batch BPE of its new words) first."""
     text = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
     learned = []
-    learn = gpt2._learn_words
-    monkeypatch.setattr(gpt2, "_learn_words", lambda words: (learned.append(len(words)), learn(words)))
+    learn = gpt2._bpe.learn_words
+    monkeypatch.setattr(gpt2._bpe, "learn_words", lambda words: (learned.append(len(words)), learn(words)))
     gpt2.clear_cache()
     assert gpt2.encode(text) == tik.encode(text, allowed_special="all")
     assert learned and learned[0] > 1000
@@ -206,15 +206,15 @@ def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):
 
 @pytest.mark.parametrize("collector_on", [True, False])
 def test_learning_words_leaves_the_garbage_collector_as_it_found_it(gpt2, collector_on):
-    """``_learn_words`` pauses the cyclic GC; afterwards (even after an error) it is on again only if it was on."""
+    """``learn_words`` pauses the cyclic GC; afterwards (even after an error) it is on again only if it was on."""
     was_on = gc.isenabled()
     try:
         gc.enable() if collector_on else gc.disable()
         gpt2.clear_cache()
-        gpt2._learn_words({"alpha", "beta,", "(gamma)"})
+        gpt2._bpe.learn_words({"alpha", "beta,", "(gamma)"})
         assert gc.isenabled() == collector_on
         with pytest.raises(UnicodeEncodeError):
-            gpt2._learn_words({"lone\ud800surrogate"})
+            gpt2._bpe.learn_words({"lone\ud800surrogate"})
         assert gc.isenabled() == collector_on
     finally:
         gc.enable() if was_on else gc.disable()
@@ -227,11 +227,11 @@ def test_words_learned_together_encode_as_each_alone(gpt2, tik, words):
     """Any words (Unicode whitespace, marks, digits, punctuation; no spaces) learned in one batch get the ids of
     " " + word; the ones ending in whitespace (regex ``\\s``) are not complete chunks and are not learned."""
     gpt2.clear_cache()
-    gpt2._learn_words(set(words))
+    gpt2._bpe.learn_words(set(words))
     complete = {word for word in words if not regex.fullmatch(r"\s", word[-1])}
-    assert set(gpt2._word_cache) == complete
+    assert set(gpt2._bpe.word_cache) == complete
     for word in complete:
-        assert list(gpt2._word_cache[word]) == tik.encode_ordinary(" " + word)
+        assert list(gpt2._bpe.word_cache[word]) == tik.encode_ordinary(" " + word)
 
 
 def test_small_caches_give_the_same_ids(gpt2, tik):
@@ -239,7 +239,7 @@ def test_small_caches_give_the_same_ids(gpt2, tik):
     text = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
     small = Tokenizer(gpt2.vocab, gpt2.merges, [EOT], cache_size=300)
     assert small.encode(text) == tik.encode(text, allowed_special="all")
-    assert all(ids is not None for ids in small._word_cache.values())
+    assert all(ids is not None for ids in small._bpe.word_cache.values())
 
 
 def _random_merge_table(rng: random.Random, symbols: int) -> dict[tuple[int, int], tuple[int, int]]:

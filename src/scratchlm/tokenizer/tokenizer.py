@@ -1,15 +1,9 @@
 """Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens.
 
 Design (pure Python, aimed at about half of tiktoken's single-thread speed):
-- Text is split on special tokens (longest first). Each ordinary piece is cut with ``str.split(" ")`` into
-  words, and the hot loop is one dict lookup per word in a bounded *word -> ids cache* plus a ``list.extend``:
-  a space after a non-whitespace character always starts a new GPT-2 pre-token, so " " + word encodes on its
-  own (``_encode_ordinary`` says when). Cache misses and whitespace runs go through the GPT-2 regex and a
-  bounded *pre-token -> ids cache*. Natural text repeats a few thousand words, so most lookups hit, and the
-  regex (15-20 MB/s alone) runs on a fraction of the text.
-- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
-  pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule; many new
-  pre-tokens at once (a cold cache) go through ``batch_merge.py`` instead.
+- Text is split on special tokens (longest first); each ordinary piece goes to ``CachedBPE`` (``cached_bpe.py``),
+  the hot path: a word -> ids cache in front of a pre-token -> ids cache in front of rank-based BPE, exactly
+  GPT-2's and tiktoken's rule.
 - ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
   still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
 Serialization lives in ``io.py``; this module only knows vocab, merges and special tokens.
@@ -17,21 +11,15 @@ Serialization lives in ``io.py``; this module only knows vocab, merges and speci
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from itertools import chain, islice
+from itertools import chain
 from pathlib import Path
 
-from scratchlm.tokenizer.batch_merge import BatchMerger
-from scratchlm.tokenizer.merge import merge_ids, merge_table
+from scratchlm.tokenizer.cached_bpe import CachedBPE
+from scratchlm.tokenizer.merge import merge_table
 from scratchlm.tokenizer.pretokenize import (
-    ends_in_whitespace,
-    is_complete_word,
-    is_one_pretoken,
     last_space_boundary,
-    spaced_word_pieces,
     special_token_regex,
     split_on_special_tokens,
     split_pretokens,
@@ -41,13 +29,6 @@ from scratchlm.tokenizer.pretokenize import (
 # A pre-token match never depends on text more than this many characters past its end (the GPT-2 pattern
 # looks at most 3 characters ahead: the contraction "'ll" tried at a match's last character).
 _LOOKAHEAD_CHARS = 3
-# Longer pre-tokens and words are not cached (they are rare, and would make the bounded caches large).
-_MAX_CACHED_CHARS = 64
-# A block of at least this many words learns its new words together (``_learn_words``) when at least one in
-# _BATCH_MIN_MISS_RATE of its first _BATCH_SAMPLE words misses the word cache.
-_BATCH_MIN_WORDS = 2048
-_BATCH_SAMPLE = 256
-_BATCH_MIN_MISS_RATE = 8
 
 
 class Tokenizer:
@@ -61,14 +42,11 @@ class Tokenizer:
         self._bytes_to_id = _invert_vocab(self.vocab)
         self._byte_ids = _single_byte_ids(self._bytes_to_id)
         self._special_ids = self._add_special_tokens()
-        self._merge_ranks = merge_table(self.merges, self._bytes_to_id)
         self._special_regex = special_token_regex(self.special_tokens)
         self._special_prefixes = {token[:k] for token in self.special_tokens for k in range(1, len(token))}
         self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
-        self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> ids
-        self._word_cache: dict[str, tuple[int, ...]] = {}  # word -> ids of " " + word
         self._cache_size = cache_size
-        self._merger: BatchMerger | None = None  # built on the first cold block
+        self._bpe = CachedBPE(merge_table(self.merges, self._bytes_to_id), self._byte_ids, cache_size)
         self._hash: str | None = None
 
     # ------------------------------------------------------------------ construction and identity
@@ -134,8 +112,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:
         """Forget the pre-token and word caches (ids are unchanged; the next encodes run BPE from scratch)."""
-        self._cache.clear()
-        self._word_cache.clear()
+        self._bpe.clear()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; registered special tokens in the text become their ids and are never split."""
@@ -148,7 +125,7 @@ class Tokenizer:
         """Token ids of text with special tokens treated as plain text (tiktoken's ``encode_ordinary``)."""
         ids: list[int] = []
         try:
-            self._encode_ordinary(text, ids)
+            self._bpe.encode(text, ids)
         except UnicodeEncodeError:
             raise ValueError(_unencodable_message(text, 0)) from None
         return ids
@@ -187,151 +164,21 @@ class Tokenizer:
     def _encode_text(self, text: str) -> list[int]:
         ids: list[int] = []
         if self._special_regex is None:
-            self._encode_ordinary(text, ids)
+            self._bpe.encode(text, ids)
             return ids
         for piece, is_special in split_on_special_tokens(text, self._special_regex):
             if is_special:
                 ids.append(self._special_ids[piece])
             else:
-                self._encode_ordinary(piece, ids)
+                self._bpe.encode(piece, ids)
         return ids
-
-    def _encode_ordinary(self, text: str, out: list[int]) -> None:
-        """Append the ids of text (no special tokens) to out: the hot loop.
-
-        ``str.split(" ")`` is far cheaper than the GPT-2 regex, so text is cut at spaces that follow a
-        non-whitespace character: there a pre-token always ends, and no pre-token to the left looks past the
-        space (see docs/tokenizer-encoding.md). Each such chunk is " " + word; a word that ends in a non-space is
-        a complete chunk, looked up in a word -> ids cache. Words ending in whitespace (or empty ones, from runs
-        of spaces) join the following words into one segment that goes through the regex. When most words are
-        new (a cold cache), they are first learned together by ``_learn_words``.
-        """
-        words = text.split(" ")
-        if self._mostly_new(words):
-            self._learn_words(set(words).difference(self._word_cache))
-        lookup = self._word_cache.get
-        extend = out.extend
-        segment: list[str] | None = None  # an open segment: chunks that must be pre-tokenized together
-        first = words[0]
-        if first:
-            if ends_in_whitespace(first):
-                segment = [first]
-            else:
-                self._encode_pretokens(split_pretokens(first), out)
-        for word in islice(words, 1, None):
-            ids = lookup(word)
-            if ids is not None and segment is None:
-                extend(ids)
-                continue
-            complete = bool(word) and not ends_in_whitespace(word)
-            if segment is None and complete:
-                extend(self._encode_spaced_word(word))
-            elif segment is None:
-                segment = [" ", word]
-            else:
-                segment += (" ", word)
-                if complete:
-                    self._encode_pretokens(split_pretokens("".join(segment)), out)
-                    segment = None
-        if segment is not None:
-            self._encode_pretokens(split_pretokens("".join(segment)), out)
-
-    def _mostly_new(self, words: list[str]) -> bool:
-        """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
-        if len(words) < _BATCH_MIN_WORDS:
-            return False
-        cache = self._word_cache
-        sample = islice(words, 1, _BATCH_SAMPLE + 1)
-        return sum(word not in cache for word in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
-
-    def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
-        """Ids of " " + word (a complete chunk), through the word cache."""
-        ids: list[int] = []
-        self._encode_pretokens(spaced_word_pieces(word), ids)
-        result = tuple(ids)
-        if len(word) <= _MAX_CACHED_CHARS:
-            if len(self._word_cache) >= self._cache_size:
-                self._word_cache.clear()
-            self._word_cache[word] = result
-        return result
-
-    def _learn_words(self, words: set[str]) -> None:
-        """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
-        lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
-
-        Words that are one pre-token (``is_one_pretoken``) need no regex. The others are joined with spaces and
-        pre-tokenized in one regex call per group (ASCII words, then the rest): each is complete, so the space
-        before it starts its first pre-token and no pre-token crosses it, and each word's pre-tokens are the run
-        that starts with " ".
-        The cyclic garbage collector is paused meanwhile: the tens of thousands of id tuples made here hold no
-        cycles, yet would set off a collection every few hundred (a fifth of a cold encode's time).
-        """
-        with _gc_paused():
-            complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and is_complete_word(word)]
-            simple: list[str] = []
-            ascii_other: list[str] = []
-            unicode_other: list[str] = []
-            for word in complete:
-                (simple if is_one_pretoken(word) else ascii_other if word.isascii() else unicode_other).append(word)
-            simple_pieces = [" " + word for word in simple]
-            other = ascii_other + unicode_other  # each group is pre-tokenized in one call; ASCII by the fast pattern
-            other_pieces = [piece for group in (ascii_other, unicode_other) if group
-                            for piece in split_pretokens(" " + " ".join(group))]
-            cache = self._cache
-            pieces = set(simple_pieces).union(other_pieces)
-            if len(cache) + len(pieces) > self._cache_size:
-                cache.clear()
-            new_pieces = [piece for piece in pieces.difference(cache) if len(piece) <= _MAX_CACHED_CHARS]
-            merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
-            cache.update(zip(new_pieces, map(tuple, merged)))  # now every piece of every word is cached
-            word_cache = self._word_cache
-            if len(word_cache) + len(complete) > self._cache_size:
-                word_cache.clear()
-            word_cache.update(zip(simple, map(cache.__getitem__, simple_pieces)))
-            firsts = [index for index, piece in enumerate(other_pieces) if piece[0] == " "]
-            assert len(firsts) == len(other), "each joined word must start exactly one pre-token with its space"
-            piece_ids = list(map(cache.__getitem__, other_pieces))
-            ends = firsts[1:] + [len(piece_ids)]
-            word_cache.update(zip(other, [tuple(chain.from_iterable(piece_ids[first:end]))
-                                          for first, end in zip(firsts, ends)]))
-
-    def _batch_merger(self) -> BatchMerger:
-        if self._merger is None:
-            self._merger = BatchMerger(self._merge_ranks, self._byte_ids)
-        return self._merger
-
-    def _encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
-        """Append the ids of each pre-token to out, through the pre-token cache."""
-        lookup = self._cache.get
-        extend = out.extend
-        for piece in pretokens:
-            ids = lookup(piece)
-            extend(self._encode_new_piece(piece) if ids is None else ids)
-
-    def _encode_new_piece(self, piece: str) -> tuple[int, ...]:
-        """BPE of a pre-token missing from the cache, which then remembers it."""
-        ids = self._encode_piece(piece)
-        cache = self._cache
-        if len(cache) >= self._cache_size:
-            cache.clear()  # bounded memory; natural text refills the frequent pieces at once
-        if len(piece) <= _MAX_CACHED_CHARS:
-            cache[piece] = ids
-        return ids
-
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates)."""
-        data = piece.encode("utf-8")
-        token_id = self._bytes_to_id.get(data) if len(data) == 1 else None
-        if token_id is not None:
-            return (token_id,)
-        return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
 
     def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
 
         Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
         longer special match), and (2) the end of the last ordinary piece: from its last space that follows a
-        non-whitespace character (a boundary no later text can move, as in ``_encode_ordinary``), or, when it
+        non-whitespace character (a boundary no later text can move, as in ``CachedBPE.encode``), or, when it
         has none, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters: a match ending earlier
         was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives trailing spaces away to
         the next word only once that word arrives).
@@ -345,10 +192,10 @@ class Tokenizer:
             if is_special:
                 ids.append(self._special_ids[piece])
             else:
-                self._encode_ordinary(piece, ids)
+                self._bpe.encode(piece, ids)
         boundary = last_space_boundary(open_piece)
         if boundary > 0:
-            self._encode_ordinary(open_piece[:boundary], ids)
+            self._bpe.encode(open_piece[:boundary], ids)
             return ids, open_piece[boundary:] + pending
         pretokens = split_pretokens(open_piece)
         held: list[str] = []
@@ -356,7 +203,7 @@ class Tokenizer:
         while pretokens and held_chars < _LOOKAHEAD_CHARS:
             held.append(pretokens.pop())
             held_chars += len(held[-1])
-        self._encode_pretokens(pretokens, ids)  # not re-joined: joining could merge them into new pre-tokens
+        self._bpe.encode_pretokens(pretokens, ids)  # not re-joined: joining could merge them into new pre-tokens
         return ids, "".join(reversed(held)) + pending
 
     def _partial_special_length(self, buffer: str) -> int:
@@ -425,18 +272,6 @@ def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
         raise ValueError(f"vocab lacks {len(missing)} of the 256 single-byte tokens, e.g. {bytes([missing[0]])!r}; "
                          "a byte-level BPE vocab needs all of them")
     return [bytes_to_id[bytes([value])] for value in range(256)]
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Switch the cyclic garbage collector off for the block (if it was on), then back on."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _unencodable_message(text: str, offset: int) -> str:

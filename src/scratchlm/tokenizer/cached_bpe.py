@@ -1,0 +1,200 @@
+"""Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the encoder's hot path.
+
+- Text is cut with ``str.split(" ")`` into words, and the hot loop is one dict lookup per word in a bounded
+  *word -> ids cache* plus a ``list.extend``: a space after a non-whitespace character always starts a new
+  GPT-2 pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). Cache misses and
+  whitespace runs go through the GPT-2 regex and a bounded *pre-token -> ids cache*. Natural text repeats a few
+  thousand words, so most lookups hit, and the regex (15-20 MB/s alone) runs on a fraction of the text.
+- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
+  pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Many new words
+  at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their new
+  pre-tokens merged at once by ``batch_merge.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain, islice
+
+from scratchlm.tokenizer.batch_merge import BatchMerger
+from scratchlm.tokenizer.merge import merge_ids
+from scratchlm.tokenizer.pretokenize import (
+    ends_in_whitespace,
+    is_complete_word,
+    is_one_pretoken,
+    spaced_word_pieces,
+    split_pretokens,
+)
+
+# Longer pre-tokens and words are not cached (they are rare, and would make the bounded caches large).
+_MAX_CACHED_CHARS = 64
+# A block of at least this many words learns its new words together (``learn_words``) when at least one in
+# _BATCH_MIN_MISS_RATE of its first _BATCH_SAMPLE words misses the word cache.
+_BATCH_MIN_WORDS = 2048
+_BATCH_SAMPLE = 256
+_BATCH_MIN_MISS_RATE = 8
+
+
+class CachedBPE:
+    """BPE with a merge table ``(left id, right id) -> (rank, merged id)`` and the ids of the 256 bytes.
+
+    ``word_cache`` maps a word to the ids of " " + word; ``pretoken_cache`` a pre-token to its ids. Each holds
+    at most ``cache_size`` entries (cleared when full) and only keys of at most 64 characters.
+    """
+
+    def __init__(self, merge_ranks: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int],
+                 cache_size: int) -> None:
+        self._merge_ranks = merge_ranks
+        self._byte_ids = byte_ids
+        self._cache_size = cache_size
+        self.word_cache: dict[str, tuple[int, ...]] = {}
+        self.pretoken_cache: dict[str, tuple[int, ...]] = {}
+        self._merger: BatchMerger | None = None  # built on the first cold block
+
+    def clear(self) -> None:
+        """Forget both caches (the ids are unchanged; later encodes run BPE from scratch)."""
+        self.word_cache.clear()
+        self.pretoken_cache.clear()
+
+    def encode(self, text: str, out: list[int]) -> None:
+        """Append the ids of text (no special tokens) to out: the hot loop.
+
+        ``str.split(" ")`` is far cheaper than the GPT-2 regex, so text is cut at spaces that follow a
+        non-whitespace character: there a pre-token always ends, and no pre-token to the left looks past the
+        space (see docs/tokenizer-encoding.md). Each such chunk is " " + word; a word that ends in a non-space is
+        a complete chunk, looked up in the word cache. Words ending in whitespace (or empty ones, from runs of
+        spaces) join the following words into one segment that goes through the regex. When most words are new
+        (a cold cache), they are first learned together by ``learn_words``.
+        """
+        words = text.split(" ")
+        if self._mostly_new(words):
+            self.learn_words(set(words).difference(self.word_cache))
+        lookup = self.word_cache.get
+        extend = out.extend
+        segment: list[str] | None = None  # an open segment: chunks that must be pre-tokenized together
+        first = words[0]
+        if first:
+            if ends_in_whitespace(first):
+                segment = [first]
+            else:
+                self.encode_pretokens(split_pretokens(first), out)
+        for word in islice(words, 1, None):
+            ids = lookup(word)
+            if ids is not None and segment is None:
+                extend(ids)
+                continue
+            complete = bool(word) and not ends_in_whitespace(word)
+            if segment is None and complete:
+                extend(self._encode_spaced_word(word))
+            elif segment is None:
+                segment = [" ", word]
+            else:
+                segment += (" ", word)
+                if complete:
+                    self.encode_pretokens(split_pretokens("".join(segment)), out)
+                    segment = None
+        if segment is not None:
+            self.encode_pretokens(split_pretokens("".join(segment)), out)
+
+    def encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
+        """Append the ids of each pre-token to out, through the pre-token cache."""
+        lookup = self.pretoken_cache.get
+        extend = out.extend
+        for piece in pretokens:
+            ids = lookup(piece)
+            extend(self._encode_new_piece(piece) if ids is None else ids)
+
+    def learn_words(self, words: set[str]) -> None:
+        """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
+        lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
+
+        Words that are one pre-token (``is_one_pretoken``) need no regex. The others are joined with spaces and
+        pre-tokenized in one regex call per group (ASCII words, then the rest): each is complete, so the space
+        before it starts its first pre-token and no pre-token crosses it, and each word's pre-tokens are the run
+        that starts with " ".
+        The cyclic garbage collector is paused meanwhile: the tens of thousands of id tuples made here hold no
+        cycles, yet would set off a collection every few hundred (a fifth of a cold encode's time).
+        """
+        with _gc_paused():
+            complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and is_complete_word(word)]
+            simple: list[str] = []
+            ascii_other: list[str] = []
+            unicode_other: list[str] = []
+            for word in complete:
+                (simple if is_one_pretoken(word) else ascii_other if word.isascii() else unicode_other).append(word)
+            simple_pieces = [" " + word for word in simple]
+            other = ascii_other + unicode_other  # each group is pre-tokenized in one call; ASCII by the fast pattern
+            other_pieces = [piece for group in (ascii_other, unicode_other) if group
+                            for piece in split_pretokens(" " + " ".join(group))]
+            cache = self.pretoken_cache
+            pieces = set(simple_pieces).union(other_pieces)
+            if len(cache) + len(pieces) > self._cache_size:
+                cache.clear()
+            new_pieces = [piece for piece in pieces.difference(cache) if len(piece) <= _MAX_CACHED_CHARS]
+            merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
+            cache.update(zip(new_pieces, map(tuple, merged)))  # now every piece of every word is cached
+            word_cache = self.word_cache
+            if len(word_cache) + len(complete) > self._cache_size:
+                word_cache.clear()
+            word_cache.update(zip(simple, map(cache.__getitem__, simple_pieces)))
+            firsts = [index for index, piece in enumerate(other_pieces) if piece[0] == " "]
+            assert len(firsts) == len(other), "each joined word must start exactly one pre-token with its space"
+            piece_ids = list(map(cache.__getitem__, other_pieces))
+            ends = firsts[1:] + [len(piece_ids)]
+            word_cache.update(zip(other, [tuple(chain.from_iterable(piece_ids[first:end]))
+                                          for first, end in zip(firsts, ends)]))
+
+    def _mostly_new(self, words: list[str]) -> bool:
+        """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
+        if len(words) < _BATCH_MIN_WORDS:
+            return False
+        cache = self.word_cache
+        sample = islice(words, 1, _BATCH_SAMPLE + 1)
+        return sum(word not in cache for word in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
+
+    def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
+        """Ids of " " + word (a complete chunk), through the word cache."""
+        ids: list[int] = []
+        self.encode_pretokens(spaced_word_pieces(word), ids)
+        result = tuple(ids)
+        if len(word) <= _MAX_CACHED_CHARS:
+            if len(self.word_cache) >= self._cache_size:
+                self.word_cache.clear()
+            self.word_cache[word] = result
+        return result
+
+    def _batch_merger(self) -> BatchMerger:
+        if self._merger is None:
+            self._merger = BatchMerger(self._merge_ranks, self._byte_ids)
+        return self._merger
+
+    def _encode_new_piece(self, piece: str) -> tuple[int, ...]:
+        """BPE of a pre-token missing from the cache, which then remembers it."""
+        ids = self._encode_piece(piece)
+        cache = self.pretoken_cache
+        if len(cache) >= self._cache_size:
+            cache.clear()  # bounded memory; natural text refills the frequent pieces at once
+        if len(piece) <= _MAX_CACHED_CHARS:
+            cache[piece] = ids
+        return ids
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates)."""
+        data = piece.encode("utf-8")
+        if len(data) == 1:
+            return (self._byte_ids[data[0]],)
+        return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Switch the cyclic garbage collector off for the block (if it was on), then back on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
