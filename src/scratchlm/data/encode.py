@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
+from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 READ_BLOCK = 1 << 20
@@ -118,7 +119,7 @@ def _existing_parent(out: Path) -> Path:
 def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress: bool,
                total_bytes: int) -> Iterator[_Task]:
     """Encode every task's range into its part file; yield the tasks in order as their parts are ready."""
-    bar = _progress_bar(total_bytes, progress)
+    bar = progress_bar(total_bytes, progress, unit="B", unit_scale=True, desc="encode")
     try:
         if workers == 1 or len(tasks) == 1:
             for task in tasks:
@@ -138,24 +139,6 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 raise
     finally:
         bar.close()
-
-
-def _progress_bar(total_bytes: int, shown: bool):
-    """A tqdm bar over the input bytes; tqdm is imported only when the bar is shown (a tenth of the import time
-    of this module, which every `data encode` pays before any work starts)."""
-    if not shown:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode")
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import multiprocessing.context
 
+from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.pretokenize import special_token_regex, split_on_special_tokens, split_pretokens
 
 ERROR_POLICIES = ("strict", "replace")
@@ -213,20 +214,10 @@ def count_pretokens(
     chunks = [chunk for path in files for chunk in plan_chunks(path, special_tokens, chunk_bytes)]
     tasks = [(chunk, special_tokens, errors) for chunk in chunks]
     totals: Counter[str] = Counter()
-    bar = _progress_bar(total_bytes, progress)
+    bar = progress_bar(total_bytes, progress, unit="B", unit_scale=True, desc="counting pre-tokens")
     # The generator comes first in zip so that it runs to its end and closes the pool.
     for counts, chunk in zip(_counted_chunks(tasks, workers), chunks):
         totals.update(counts)
-        if bar is not None:
-            bar.update(chunk.end - chunk.start)
-    if bar is not None:
-        bar.close()
+        bar.update(chunk.end - chunk.start)
+    bar.close()
     return totals
-
-
-def _progress_bar(total_bytes: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="counting pre-tokens")

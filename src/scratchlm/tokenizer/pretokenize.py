@@ -23,7 +23,7 @@ _ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that re
 # The same pattern for ASCII-only text, where \p{L} is [A-Za-z], \p{N} is [0-9] and \s is _ASCII_WHITESPACE
 # (spelled out: the standard library's \s also takes \x1c-\x1f). ``re`` runs it 2-3x faster per call than
 # ``regex`` runs the Unicode pattern, and the encoder's cold path makes one call per new word.
-_S = r"\t\n\x0b\x0c\r "
+_S = re.escape("".join(sorted(_ASCII_WHITESPACE)))  # inside the character classes below
 GPT2_ASCII_SPLIT_REGEX = re.compile(
     rf"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_S}A-Za-z0-9]+|[{_S}]+(?![^{_S}])|[{_S}]+""")
 

@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from heapq import heapify, heappop, heappush, heapreplace
 
+from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.counting import count_pretokens
 from scratchlm.tokenizer.pretokenize import validate_special_tokens
 
@@ -213,7 +214,7 @@ def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) 
     heap = [(-count, keys[a], keys[b], a, b) for (a, b), count in pair_counts.items()]
     heapify(heap)
     merges: Merges = []
-    bar = _progress_bar(num_merges, progress)
+    bar = progress_bar(num_merges, progress, unit="merge", desc="merging")
     while len(merges) < num_merges:
         best = _pop_best(heap, pair_counts)
         if best is None:  # every word is a single token
@@ -228,19 +229,9 @@ def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) 
             keys[token_id] = _descending_key(token)
         for a, b in _apply_merge(best, token_id, words, counts, where, pair_counts):
             heappush(heap, (-pair_counts[a, b], keys[a], keys[b], a, b))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     return merges
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="merge", desc="merging")
 
 
 def train_bpe(
