@@ -117,23 +117,23 @@ def write_tiktoken_ranks(ranks: dict[bytes, int], path: Path) -> Path:
 def bench_data_encode(quick: bool, workdir: Path) -> list[dict]:
     """The two training texts; then (full runs) every text file in shared/data, 22.6 MB."""
     tokenizer_dir = gpt2_tokenizer().save(workdir / "gpt2")
+    ranks, specials = gpt2_ranks()
+    rival = {"pattern": GPT2_SPLIT_PATTERN, "specials": specials, "out": str(workdir / "tiktoken.bin"),
+             "ranks": str(write_tiktoken_ranks(ranks, workdir / "gpt2.tiktoken"))}  # TIKTOKEN_SCRIPT's fields
     train_texts = [str(shared(relative)) for relative in TEXTS.values()]
     corpora = [train_texts[:1]] if quick else [train_texts, [str(shared(relative)) for relative in ALL_TEXTS]]
-    return [_bench_whole_command(inputs, tokenizer_dir, quick, workdir) for inputs in corpora]
+    return [_bench_whole_command(inputs, tokenizer_dir, rival, quick, workdir) for inputs in corpora]
 
 
-def _bench_whole_command(inputs: list[str], tokenizer_dir: Path, quick: bool, workdir: Path) -> dict:
+def _bench_whole_command(inputs: list[str], tokenizer_dir: Path, rival_fields: dict, quick: bool,
+                         workdir: Path) -> dict:
     megabytes = sum(Path(p).stat().st_size for p in inputs) / 1e6
     # encode_corpus is what `scratchlm data encode` runs; calling it directly keeps the CLI's start-up (which
     # imports every stage) out of the measurement.
     ours = harness.python_command("from scratchlm.data.encode import encode_corpus\n"
                                   f"encode_corpus({str(tokenizer_dir)!r}, {inputs!r}, {str(workdir / 'ours.tok')!r}, "
                                   "workers=2)")
-    ranks, specials = gpt2_ranks()
-    ranks_file = write_tiktoken_ranks(ranks, workdir / "gpt2.tiktoken")
-    rival = harness.python_command(TIKTOKEN_SCRIPT.format(pattern=GPT2_SPLIT_PATTERN, ranks=str(ranks_file),
-                                                          specials=specials, inputs=inputs,
-                                                          out=str(workdir / "tiktoken.bin")))
+    rival = harness.python_command(TIKTOKEN_SCRIPT.format(inputs=inputs, **rival_fields))
     results = harness.interleave_commands({"scratchlm data encode (2 procs)": ours, "tiktoken (1 thread)": rival},
                                           repeats=1 if quick else 5)
     ours_ids = open_token_file(workdir / "ours.tok").tokens
