@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.layers import Linear
+from scratchlm.model.layers import Linear, softmax_backward
 
 # On CPU the attention core works on this many score elements at a time (2 MiB in fp32): few enough to stay in a
 # core's L2 cache from the matmul that writes them, through the softmax, to the matmul that reads them.
@@ -60,7 +60,7 @@ class _ChunkedAttention(torch.autograd.Function):
     through the in-place softmax to the matmul with v: one trip to memory instead of one per pass over the whole
     (b, T_q, T_k) tensor (~1.6x faster than unchunked on CPU). One baddbmm computes bias + q kᵀ/√d_k (without
     a mask, a bmm scaled in place). The backward walks the same chunks with the kept probabilities p:
-        dv = pᵀ do,  ds = p ⊙ (dp - Σ p ⊙ dp) / √d_k  with dp = do vᵀ,  dq = ds k,  dk = dsᵀ q.
+        dv = pᵀ do,  ds = p ⊙ (dp - Σ p ⊙ dp) / √d_k  (softmax's backward) with dp = do vᵀ,  dq = ds k,  dk = dsᵀ q.
     ds is already 0 wherever p is, so masked keys need no masked-fill backward. A fully masked row gives zeros,
     not NaN (``_softmax_rows_``).
     """
@@ -80,10 +80,7 @@ class _ChunkedAttention(torch.autograd.Function):
         for index, p in enumerate(probs):
             rows = slice(index * ctx.step, (index + 1) * ctx.step)
             grad_v.append(torch.bmm(p.transpose(1, 2), grad_out[rows]))
-            ds = torch.bmm(grad_out[rows], v[rows].transpose(1, 2))  # dp, then ds in place
-            ds -= (ds * p).sum(dim=-1, keepdim=True)
-            ds *= p
-            ds *= _scale(q)
+            ds = softmax_backward(p, torch.bmm(grad_out[rows], v[rows].transpose(1, 2)), -1).mul_(_scale(q))
             grad_q.append(torch.bmm(ds, k[rows]))
             grad_k.append(torch.bmm(ds.transpose(1, 2), q[rows]))
         return _concat(grad_q), _concat(grad_k), _concat(grad_v), None
