@@ -19,6 +19,7 @@ Design:
 from __future__ import annotations
 
 import codecs
+import gc
 import multiprocessing
 import shutil
 import sys
@@ -147,6 +148,9 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 def _init_worker(tokenizer: Tokenizer) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
+    # A worker's objects are the tokenizer's caches (str -> tuple of ints) and id lists: no reference cycles,
+    # so the cyclic collector would only re-scan the growing caches (~3% of an encode, measured).
+    gc.disable()
 
 
 def _encode_range_in_worker(task: _Task) -> _Task:
@@ -156,7 +160,7 @@ def _encode_range_in_worker(task: _Task) -> _Task:
 
 
 def _encode_range(tokenizer: Tokenizer, task: _Task) -> None:
-    with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size) as writer:
+    with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size, durable=False) as writer:  # a scratch file
         for ids in tokenizer.encode_stream(_decoded_blocks(task)):
             writer.write(ids)
 

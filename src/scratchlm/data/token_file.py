@@ -56,11 +56,14 @@ class TokenFileWriter:
     """Stream ids into a token file; it appears at ``path`` only on a successful ``close``.
 
     Use as a context manager: an exception inside the block removes the temporary file and leaves ``path``
-    untouched.
+    untouched. ``durable=False`` skips the fsync before the rename, for scratch files that are deleted after
+    use whatever happens (a crash can then leave such a file with zeros where data should be).
     """
 
-    def __init__(self, path: str | Path, *, vocab_size: int, tokenizer_hash: str | None = None) -> None:
+    def __init__(self, path: str | Path, *, vocab_size: int, tokenizer_hash: str | None = None,
+                 durable: bool = True) -> None:
         self.path = Path(path)
+        self.durable = durable
         self.vocab_size = vocab_size
         self.dtype = token_dtype(vocab_size)
         self.tokenizer_hash = _hash_bytes(tokenizer_hash)
@@ -90,12 +93,13 @@ class TokenFileWriter:
         self.num_tokens += tokens.size
 
     def close(self) -> Path:
-        """Write the header, fsync and move the file into place; returns its path."""
+        """Write the header, fsync (when durable) and move the file into place; returns its path."""
         self._file.seek(0)
         self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
                                      self.num_tokens, self.tokenizer_hash))
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if self.durable:
+            os.fsync(self._file.fileno())
         self._file.close()
         os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
         os.replace(self._temporary, self.path)
