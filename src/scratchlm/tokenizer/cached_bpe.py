@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import chain, islice
+from itertools import islice
 
 from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.merge import merge_ids
@@ -143,8 +143,8 @@ class CachedBPE:
             assert len(firsts) == len(other), "each joined word must start exactly one pre-token with its space"
             piece_ids = list(map(cache.__getitem__, other_pieces))
             ends = firsts[1:] + [len(piece_ids)]
-            word_cache.update(zip(other, [tuple(chain.from_iterable(piece_ids[first:end]))
-                                          for first, end in zip(firsts, ends)]))
+            # A word has a few pieces (most often two: "word" + ","), where adding tuples beats chaining them.
+            word_cache.update(zip(other, [sum(piece_ids[first:end], ()) for first, end in zip(firsts, ends)]))
 
     def _mostly_new(self, words: list[str]) -> bool:
         """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
