@@ -308,6 +308,19 @@ def test_save_load_round_trips_both_formats(gpt2, tmp_path):
     assert Tokenizer.load(tmp_path).vocab == tokenizer.vocab  # GPT-2 files alone; no special-token list
 
 
+def test_version_1_tokenizer_files_still_load(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"ab", 257: b"abc", 300: b"\x00\xff"}
+    merges = [(b"a", b"b"), (b"ab", b"c"), (b"\x00", b"\xff")]
+    version_1 = {"format_version": 1, "vocab": {str(i): token.hex() for i, token in vocab.items()},
+                 "merges": [[left.hex(), right.hex()] for left, right in merges], "special_tokens": [EOT]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(version_1), encoding="utf-8")
+    loaded = Tokenizer.load(tmp_path)
+    assert (loaded.vocab, loaded.merges, loaded.special_tokens) == ({**vocab, 301: EOT.encode()}, merges, [EOT])
+    loaded.save(tmp_path)  # rewritten as version 2, with null for the unused ids 258..299
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["vocab"][258:300] == [None] * 42
+    assert Tokenizer.load(tmp_path).hash == loaded.hash
+
+
 def test_gpt2_format_round_trips_every_byte(tmp_path):
     vocab = {i: bytes([i]) for i in range(256)}
     merges = [(b" ", b"\n"), (b"\xff", b"\x00"), (b" \n", b"\xff\x00")]
@@ -335,6 +348,16 @@ def test_hash_depends_on_special_tokens(gpt2):
     ("tokenizer.json", '{"format_version": 1, "vocab": {}, "merges": [["00"]], "special_tokens": []}',
      "merge #0"),
     ("tokenizer.json", '[1, 2]', "expected a JSON object"),
+    ("tokenizer.json", '{"format_version": 2, "vocab": {}, "merges": [], "special_tokens": []}',
+     "key 'vocab' is missing or not a JSON list"),
+    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "zz"], "merges": [], "special_tokens": []}',
+     "vocab entry for id 1: 'zz'"),
+    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1, 0], "special_tokens": []}',
+     "two ids per merge, got an odd count"),
+    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", null], "merges": [0, 0, 0, 1], "special_tokens": []}',
+     r"merge #1 \[0, 1\] is not a pair of ids in the vocab"),
+    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1.0], "special_tokens": []}',
+     r"merge #0 \[0, 1.0\]"),
 ])
 def test_malformed_scratchlm_files_are_refused(tmp_path, name, content, message):
     (tmp_path / name).write_text(content, encoding="utf-8")
