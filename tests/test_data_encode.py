@@ -85,6 +85,15 @@ def test_paragraph_breaks_are_safe_cuts(tokenizer, tmp_path, small_chunks):
     assert open_token_file(tmp_path / "o.tok").tokens.tolist() == _expected_ids(tokenizer, [path])
 
 
+def test_no_paragraph_cut_before_a_special_token(tokenizer, tmp_path, small_chunks):
+    # The ordinary piece before EOT ends in "\n\n", one pre-token; cut between the newlines it would be two.
+    path = tmp_path / "documents.txt"
+    path.write_text(("The quick brown fox jumps over the lazy dog. " * 40 + "The end.\n\n" + EOT) * 100,
+                    encoding="utf-8")
+    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=2)
+    assert open_token_file(tmp_path / "o.tok").tokens.tolist() == _expected_ids(tokenizer, [path])
+
+
 def test_file_without_safe_cuts_is_one_chunk(tokenizer, tmp_path, small_chunks):
     path = tmp_path / "line.txt"
     path.write_text("word  " * 3000 + "\n\n  \n" * 2000, encoding="utf-8")

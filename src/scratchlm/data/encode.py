@@ -3,7 +3,8 @@
 Design:
 - Each input file is cut into byte ranges at *safe* points: right after a ``"\\n"`` whose neighbours are both
   printable ASCII, or between the two newlines of ``X"\\n\\n"Y`` with X and Y printable ASCII (a paragraph
-  break; there the whole text's pre-tokens are X, "\\n", "\\n", Y too), and which no special token spans.
+  break; there the whole text's pre-tokens are X, "\\n", "\\n", Y too, unless a special token starts at Y:
+  then "\\n\\n" ends an ordinary piece and is one pre-token), and which no special token spans.
   There GPT-2 pre-tokenization of the whole text equals that of the two halves: the newline is its own
   pre-token either way, and no match looks across it. So the parallel result is identical to encoding each
   file in one go (``Tokenizer.encode`` of its whole text).
@@ -236,13 +237,21 @@ def _next_safe_cut(handle, position: int, size: int, specials: list[bytes]) -> i
             cut = position - 1 + newline + 1
             after = window[newline + 1]
             line_break = after in _SAFE_NEIGHBOURS
-            paragraph_break = after == 0x0A and window[newline + 2] in _SAFE_NEIGHBOURS
+            paragraph_break = (after == 0x0A and window[newline + 2] in _SAFE_NEIGHBOURS
+                               and not _special_starts_at(handle, cut + 1, specials))
             if (window[newline - 1] in _SAFE_NEIGHBOURS and (line_break or paragraph_break)
                     and not _special_spans(handle, cut, specials)):
                 return cut
             newline = window.find(b"\n", newline + 1)
         position += _CUT_SEARCH_WINDOW - 1
     return size
+
+
+def _special_starts_at(handle, position: int, specials: list[bytes]) -> bool:
+    """Whether one of the special tokens' bytes occur at ``position``."""
+    handle.seek(position)
+    ahead = handle.read(max((len(token) for token in specials), default=0))
+    return any(ahead.startswith(token) for token in specials)
 
 
 def _special_spans(handle, cut: int, specials: list[bytes]) -> bool:
