@@ -113,7 +113,21 @@ def test_bad_arguments(tmp_path):
         TokenFileWriter(tmp_path / "t.tok", vocab_size=10, tokenizer_hash="xyz")
     with pytest.raises(ValueError, match="vocab_size must be"):
         token_dtype(0)
+    for bad in (300.0, True):
+        with pytest.raises(ValueError, match=rf"vocab_size must be an integer in 1..2\*\*32, got {bad!r}"):
+            TokenFileWriter(tmp_path / "t.tok", vocab_size=bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TokenFileWriter(tmp_path / "no" / "t.tok", vocab_size=10)
     with pytest.raises(ValueError, match="1-D sequence of integers"):
         write_token_file(tmp_path / "f.tok", np.array([1.5]), vocab_size=10)
+
+
+def test_close_twice_is_harmless_and_a_failed_close_leaves_no_temporary(tmp_path, monkeypatch):
+    with TokenFileWriter(tmp_path / "t.tok", vocab_size=10) as writer:
+        writer.write([1, 2])
+        assert writer.close() == tmp_path / "t.tok"
+    assert open_token_file(tmp_path / "t.tok").tokens.tolist() == [1, 2]
+    monkeypatch.setattr("os.fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space left"), TokenFileWriter(tmp_path / "u.tok", vocab_size=10) as writer:
+        writer.write([3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tok"]

@@ -379,6 +379,50 @@ def test_malformed_gpt2_files_are_refused(tmp_path, vocab_text, merges_text, mes
         Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
 
 
+def test_plain_text_never_gets_a_special_id_when_a_merge_shares_its_bytes():
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"ab", 257: b"ab"}  # 256: the special, 257: the merge
+    tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["ab"])
+    assert tokenizer.special_id("ab") == 256
+    assert tokenizer.encode_ordinary("ab") == [257] and tokenizer.encode("xab") == [ord("x"), 256]
+
+
+def test_save_skips_the_gpt2_pair_when_ids_share_bytes(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"|", 257: b"ab"}
+    tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["|"])
+    (tmp_path / "vocab.json").write_text("{}")  # a stale GPT-2 pair from an earlier save is removed
+    with pytest.warns(UserWarning, match="cannot hold two ids with the same bytes"):
+        tokenizer.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    loaded = Tokenizer.load(tmp_path)
+    assert (loaded.vocab, loaded.special_id("|"), loaded.encode_ordinary("|")) == (vocab, 256, [ord("|")])
+
+
+def test_a_failed_gpt2_write_leaves_a_folder_that_loads_whole(tmp_path, gpt2):
+    (tmp_path / "vocab.json.tmp").mkdir()  # makes the GPT-2 vocab write fail
+    with pytest.raises(IsADirectoryError):
+        Tokenizer(gpt2.vocab, gpt2.merges, [EOT]).save(tmp_path)
+    assert Tokenizer.load(tmp_path).special_tokens == [EOT]
+
+
+def test_bad_vocab_ids_text_types_and_versions_are_refused(tmp_path):
+    byte_vocab = {i: bytes([i]) for i in range(256)}
+    with pytest.raises(ValueError, match="vocab ids must be non-negative integers, got -1"):
+        Tokenizer({**byte_vocab, -1: b"zz"}, [])
+    with pytest.raises(TypeError, match="text to encode must be a str, got bytes"):
+        Tokenizer(byte_vocab, []).encode(b"abc")
+    for version in ("true", "2.0"):
+        (tmp_path / "tokenizer.json").write_text(
+            f'{{"format_version": {version}, "vocab": [], "merges": [], "special_tokens": []}}')
+        with pytest.raises(ValueError, match=f"unsupported tokenizer format_version {version.title()}"):
+            Tokenizer.load(tmp_path)
+    # A file that parses but describes no valid tokenizer: the error names the file.
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"format_version": 2, "vocab": [bytes([i]).hex() for i in range(256)] + ["6162"], "merges": [97, 99],
+         "special_tokens": []}))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: merge #0 \(b'a', b'c'\) uses or makes b'ac'"):
+        Tokenizer.from_files(tmp_path / "tokenizer.json")
+
+
 def test_inconsistent_vocab_and_merges_are_refused():
     vocab = {i: bytes([i]) for i in range(256)}
     with pytest.raises(ValueError, match=r"merge #0 \(b'a', b'b'\) uses or makes b'ab'"):

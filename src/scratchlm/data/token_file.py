@@ -37,8 +37,8 @@ _NO_HASH = bytes(32)
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab_size <= 65536), else uint32."""
-    if vocab_size <= 0 or vocab_size > 2**32:
-        raise ValueError(f"vocab_size must be in 1..2**32, got {vocab_size}")
+    if type(vocab_size) is not int or not 0 < vocab_size <= 2**32:
+        raise ValueError(f"vocab_size must be an integer in 1..2**32, got {vocab_size!r}")
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
@@ -93,16 +93,24 @@ class TokenFileWriter:
         self.num_tokens += tokens.size
 
     def close(self) -> Path:
-        """Write the header, fsync (when durable) and move the file into place; returns its path."""
-        self._file.seek(0)
-        self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
-                                     self.num_tokens, self.tokenizer_hash))
-        self._file.flush()
-        if self.durable:
-            os.fsync(self._file.fileno())
-        self._file.close()
-        os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
-        os.replace(self._temporary, self.path)
+        """Write the header, fsync (when durable) and move the file into place; returns its path.
+
+        A failure on the way removes the temporary file; closing again does nothing."""
+        if self._file.closed:
+            return self.path
+        try:
+            self._file.seek(0)
+            self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
+                                         self.num_tokens, self.tokenizer_hash))
+            self._file.flush()
+            if self.durable:
+                os.fsync(self._file.fileno())
+            self._file.close()
+            os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
+            os.replace(self._temporary, self.path)
+        except BaseException:
+            self.abort()
+            raise
         return self.path
 
     def abort(self) -> None:

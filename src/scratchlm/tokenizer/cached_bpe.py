@@ -40,8 +40,9 @@ _BATCH_MIN_MISS_RATE = 8
 class CachedBPE:
     """BPE with a merge table ``(left id, right id) -> (rank, merged id)`` and the ids of the 256 bytes.
 
-    ``word_cache`` maps a word to the ids of " " + word; ``pretoken_cache`` a pre-token to its ids. Each holds
-    at most ``cache_size`` entries (cleared when full) and only keys of at most 64 characters.
+    ``word_cache`` maps a word to the ids of " " + word; ``pretoken_cache`` a pre-token to its ids. Each is
+    cleared when it would pass ``cache_size`` entries (one batch of new words larger than that is still cached
+    whole) and holds only keys of at most 64 characters.
     """
 
     def __init__(self, merge_ranks: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int],

@@ -57,7 +57,8 @@ class Tokenizer:
         from scratchlm.tokenizer.io import read_tokenizer_files
 
         vocab, merges, stored_specials = read_tokenizer_files(vocab_path, merges_path)
-        return cls(vocab, merges, special_tokens if special_tokens is not None else stored_specials)
+        specials = special_tokens if special_tokens is not None else stored_specials
+        return cls._built_from(vocab_path, vocab, merges, specials)
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -65,7 +66,17 @@ class Tokenizer:
         from scratchlm.tokenizer.io import read_tokenizer_dir
 
         vocab, merges, specials = read_tokenizer_dir(directory)
-        return cls(vocab, merges, specials)
+        return cls._built_from(directory, vocab, merges, specials)
+
+    @classmethod
+    def _built_from(cls, source: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
+                    special_tokens: list[str]) -> Tokenizer:
+        """A tokenizer from what was read at source; an inconsistency (say a merge whose result is not in the
+        vocab) names the file or folder it came from."""
+        try:
+            return cls(vocab, merges, special_tokens)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
 
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` (scratchlm format) and GPT-2 ``vocab.json`` + ``merges.txt`` into directory."""
@@ -116,6 +127,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; registered special tokens in the text become their ids and are never split."""
+        _check_text(text)
         try:
             return self._encode_text(text)
         except UnicodeEncodeError:
@@ -123,6 +135,7 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Token ids of text with special tokens treated as plain text (tiktoken's ``encode_ordinary``)."""
+        _check_text(text)
         ids: list[int] = []
         try:
             self._bpe.encode(text, ids)
@@ -233,9 +246,13 @@ class Tokenizer:
     def _add_special_tokens(self) -> dict[str, int]:
         """Map each special token to its id, appending the ones the vocab lacks after the largest id.
 
-        A one-character special token (say "|") also exists as a single byte; its special id is then the
-        entry above the 256 bytes (where trainers put specials), while plain text keeps the byte id.
+        Several ids can hold a special token's bytes: a one-character special (say "|") is also a byte, and a
+        vocab may have both a special entry and a merged token with the same bytes. The special id is then the
+        smallest above the 256 bytes (where trainers put specials), and ordinary text maps those bytes to another
+        of the ids, so that encoding plain text never yields a special id. A special whose bytes only one id
+        holds (say "|" added to the GPT-2 vocab) shares that id with plain text.
         """
+        repeated_bytes = len(self._bytes_to_id) < len(self.vocab)  # the inverse map keeps one id per bytes
         special_ids = {}
         for token in self.special_tokens:
             data = token.encode("utf-8")
@@ -243,8 +260,12 @@ class Tokenizer:
                 new_id = self.vocab_size
                 self.vocab[new_id] = data
                 self._bytes_to_id[data] = new_id
-            candidates = [i for i, value in self.vocab.items() if value == data] if len(data) == 1 else []
-            special_ids[token] = min(candidates or [self._bytes_to_id[data]], key=lambda i: (i < 256, i))
+            holders = [i for i, value in self.vocab.items() if value == data] if repeated_bytes else []
+            special = min(holders or [self._bytes_to_id[data]], key=lambda i: (i < 256, i))
+            special_ids[token] = special
+            plain = [i for i in holders if i != special]
+            if plain and self._bytes_to_id[data] == special:
+                self._bytes_to_id[data] = min(plain)
         return special_ids
 
 
@@ -257,13 +278,21 @@ def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:
 
 def _invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
     """bytes -> id; where two ids share bytes the smaller id wins (a deterministic choice)."""
+    if not all(type(token_id) is int and token_id >= 0 for token_id in vocab):
+        bad = next(i for i in vocab if type(i) is not int or i < 0)
+        raise ValueError(f"vocab ids must be non-negative integers, got {bad!r}")
     inverse: dict[bytes, int] = {}
     for token_id in sorted(vocab, reverse=True):
         token = vocab[token_id]
-        if not isinstance(token_id, int) or not isinstance(token, bytes):
+        if not isinstance(token, bytes):
             raise ValueError(f"vocab entries must be int -> bytes, got {token_id!r} -> {token!r}")
         inverse[token] = token_id
     return inverse
+
+
+def _check_text(text: object) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"text to encode must be a str, got {type(text).__name__} (decode bytes first)")
 
 
 def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
