@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -127,6 +128,8 @@ def test_zero_new_tokens(model):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=0), "top_k must be a positive integer"),
     (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
+    (dict(vocab_limit=0), r"vocab_limit must be an integer in \[1, 256\]"),
+    (dict(vocab_limit=257), r"vocab_limit must be an integer in \[1, 256\].*got 257"),
 ])
 def test_bad_arguments_are_clear_errors_at_call_time(model, kwargs, message):
     arguments = dict(prompt_ids=[1, 2], max_new_tokens=3) | kwargs
@@ -186,6 +189,28 @@ def test_sample_next_only_draws_from_the_filtered_set():
     torch.testing.assert_close(frequencies, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.03, rtol=0)
     cold = sample_next(logits, temperature=0.05, generator=gen)
     assert (cold == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-50, 5e-324])  # 1e-50 rounds to 0 in float32
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    logits = torch.tensor([[1.0, 3.0, 2.0, -50.0], [0.5, -1.0, 0.25, 0.75]])
+    drawn = sample_next(logits, temperature=temperature, top_k=2, generator=torch.Generator().manual_seed(0))
+    assert drawn.tolist() == [1, 3]
+
+
+def test_temperature_one_draws_exactly_what_plain_softmax_draws():
+    logits = torch.randn(16, 300) * 4
+    got = sample_next(logits, generator=torch.Generator().manual_seed(5))
+    expected = torch.multinomial(logits.softmax(dim=-1), 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
+    assert torch.equal(got, expected)
+
+
+def test_vocab_limit_restricts_every_rule_to_the_first_ids():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]]).expand(500, -1)  # ids 3 and 4 are the likeliest
+    gen = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature=0, vocab_limit=3).tolist() == [2] * 500
+    assert set(sample_next(logits, vocab_limit=3, generator=gen).tolist()) == {0, 1, 2}
+    assert set(sample_next(logits, top_k=4, top_p=0.99, vocab_limit=3, generator=gen).tolist()) <= {0, 1, 2}
 
 
 # --- the `scratchlm generate` command ------------------------------------------------------------------------
@@ -249,6 +274,65 @@ def test_generate_command_errors_are_one_clear_line(byte_run, capsys, argv, mess
     assert main(["generate", "--checkpoint", str(run), *argv]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def padded_run(tmp_path_factory):
+    """A run whose model has 320 ids for a 257-id tokenizer, the padding ids made the likeliest ones."""
+    from scratchlm.compat.commands import write_run
+    from scratchlm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=320)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.vocab_size:].mul_(50)
+    run = tmp_path_factory.mktemp("gen") / "padded"
+    write_run(model, tokenizer, run)
+    return run, model, tokenizer
+
+
+def test_generate_command_never_samples_padding_ids(padded_run, capsys):
+    from scratchlm.cli import main
+
+    run, model, tokenizer = padded_run
+    prompt = tokenizer.encode("Once")
+    assert max(generate(model, prompt, 20, temperature=0)[0]) >= tokenizer.vocab_size  # unrestricted: padding
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "Once", "--max-new-tokens", "20",
+                 "--temperature", "0"]) == 0
+    expected = generate(model, prompt, 20, temperature=0, eos_id=256, vocab_limit=tokenizer.vocab_size)[0]
+    assert capsys.readouterr().out == "Once" + tokenizer.decode(expected) + "\n"
+    assert main(["generate", "--checkpoint", str(run), "--max-new-tokens", "40", "--seed", "0",
+                 "--temperature", "1", "--top-p", "1"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("bogus", "device 'bogus' is not one of auto, cpu, mps, cuda or cuda:N"),
+    pytest.param("cuda", "device 'cuda': CUDA is not available", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_generate_command_rejects_a_bad_device_in_one_line(byte_run, capsys, device, message):
+    from scratchlm.cli import main
+
+    run, _, _ = byte_run
+    assert main(["generate", "--checkpoint", str(run), "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "train.device" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_select_device_validates_the_name(monkeypatch):
+    from scratchlm.train.setup import select_device
+
+    assert select_device("cpu") == torch.device("cpu")
+    for bad in ("bogus", "cpu\n", "cuda:x", "cuda:"):
+        with pytest.raises(ValueError, match=re.escape(f"device {bad!r} is not one of")):
+            select_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"device 'cuda:2': this machine has 2 CUDA device\(s\)"):
+        select_device("cuda:2")
 
 
 def test_stream_writer_holds_back_partial_utf8_characters():

@@ -6,6 +6,7 @@ writes (config.toml, metrics.jsonl, checkpoints/) so the sweep logic is tested i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,6 +117,23 @@ def test_rerun_resumes_interrupted_point_and_skips_done_ones(tmp_path):
     third = FakeTrainer()
     run_sweep(spec, train_fn=third, log=lambda _: None)
     assert third.calls == []
+
+
+def test_rerun_with_other_settings_is_refused_naming_the_changed_key(tmp_path):
+    spec = spec_for(tmp_path, "optim.lr=1e-4,1e-3")
+    run_sweep(spec, train_fn=FakeTrainer(interrupt_at="lr-1e-3"), log=lambda _: None)
+    summary_before = (spec.out_dir / "sweep.json").read_text()
+    trainer = FakeTrainer()
+    with pytest.raises(ValueError, match=r"sweep point lr-1e-4: .*lr-1e-4/config.toml was trained with other "
+                                         r"settings .*\(train.max_steps: 5 -> 7\).*new sweep directory with --out"):
+        run_sweep(dataclasses.replace(spec, overrides=["train.max_steps=7"]), train_fn=trainer, log=lambda _: None)
+    spec.base_config.write_text(spec.base_config.read_text() + "seed = 3\n")  # an edited base config: the same
+    with pytest.raises(ValueError, match=r"sweep point lr-1e-4: .*\(train.seed: 0 -> 3\)"):
+        run_sweep(spec, train_fn=trainer, log=lambda _: None)
+    assert trainer.calls == [] and (spec.out_dir / "sweep.json").read_text() == summary_before
+    spec.base_config.write_text(spec.base_config.read_text().replace("seed = 3\n", ""))
+    run_sweep(spec, train_fn=trainer, log=lambda _: None)  # the original settings still resume the sweep
+    assert trainer.calls == [("lr-1e-3", True)]
 
 
 def test_shards_partition_the_points(tmp_path):

@@ -6,7 +6,10 @@ cartesian product of the grids into points, names each point's run directory aft
 points one after another. The state of a sweep lives in the run directories themselves: a point whose
 metrics.jsonl ends with an ``end`` record of status finished or diverged is done and never rerun; one that was
 interrupted is resumed from its checkpoint. So rerunning the same command after a crash or Ctrl-C continues
-where it stopped, and ``SWEEP/sweep.json`` is rebuilt from the run directories after every point.
+where it stopped, and ``SWEEP/sweep.json`` is rebuilt from the run directories after every point. A rerun with
+other settings (a changed --set or base config) is refused before anything trains: each started point's
+resolved config must equal the RUN_DIR/config.toml its run was trained with, or the summary would claim settings
+the runs never used.
 
 To spread a sweep over several GPUs (or machines sharing a file system), start one process per device with
 ``--shard i/n`` (i = 0..n-1, e.g. ``CUDA_VISIBLE_DEVICES=i``): shard i trains points i, i+n, i+2n, ... Every
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scratchlm.experiments.runs import DONE_STATUSES, load_run, run_status
+from scratchlm.experiments.runs import CONFIG_FILE, DONE_STATUSES, flatten, load_run, run_status
 
 SUMMARY_FILE = "sweep.json"
 _SAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9.+-]")
@@ -117,6 +120,23 @@ def point_config(spec: SweepSpec, point: SweepPoint) -> Any:
         raise ValueError(f"sweep point {point.name}: {error}") from None
 
 
+def check_unchanged(run_dir: Path, point: SweepPoint, config: Any) -> None:
+    """Refuse a started point whose RUN_DIR/config.toml differs from the config this sweep now resolves for it."""
+    from scratchlm.config import load_config
+    from scratchlm.experiments.report import config_diff
+
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.exists():
+        return
+    # Both sides as RunConfigs, so defaults, tuples and float spellings compare equal; train.run_dir is ignored.
+    diff = config_diff(flatten(config.to_dict()), flatten(load_config(saved_path).to_dict()))
+    if diff:
+        changes = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in diff.items())
+        raise ValueError(f"sweep point {point.name}: {saved_path} was trained with other settings than this sweep "
+                         f"now gives ({changes}); rerun with the original --config and --set to continue that sweep, "
+                         f"or choose a new sweep directory with --out")
+
+
 def summarize(spec: SweepSpec, points: list[SweepPoint]) -> dict[str, Any]:
     """The sweep as read back from disk: each point's status and final validation loss, and the best point."""
     rows = []
@@ -170,6 +190,9 @@ def run_sweep(spec: SweepSpec, *, train_fn: TrainFn | None = None, quiet: bool =
         from scratchlm.train.trainer import train as train_fn
     index, count = spec.shard
     mine = points[index::count]
+    for point in mine:  # only this shard's: another shard may be writing its points' config.toml right now
+        if run_status(spec.out_dir / point.name) != "new":
+            check_unchanged(spec.out_dir / point.name, point, configs[point.name])
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     for number, point in enumerate(mine, start=1):
         run_dir = spec.out_dir / point.name

@@ -70,8 +70,10 @@ def run_generate(args: argparse.Namespace) -> int:
     for sample in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {sample + 1}/{args.num_samples} ---")
+        # vocab_limit: a model's vocabulary may be padded past the tokenizer's, and those ids have no text
         steps = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, eos_id=eos_id, seed=None if args.seed is None else args.seed + sample)
+                       top_k=args.top_k, eos_id=eos_id, seed=None if args.seed is None else args.seed + sample,
+                       vocab_limit=tokenizer.vocab_size)
         write_stream(args.prompt, (step[0] for step in steps), tokenizer, sys.stdout)
     return 0
 

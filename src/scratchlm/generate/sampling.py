@@ -4,9 +4,11 @@
 same loop as a generator that yields one step at a time (the CLI prints text as it is produced).
 
 Design:
-- Sampling rule per step, in this order: temperature 0 -> argmax (greedy); else logits / temperature, top-k
-  (keep logits >= the k-th largest: ties at the boundary are all kept), softmax, top-p (keep the smallest set
-  of most-likely tokens whose mass reaches p: a token stays when the mass strictly before it is < p), sample.
+- Sampling rule per step, in this order: only the first `vocab_limit` logits (a model's vocabulary may be padded
+  past its tokenizer's: those ids have no text); temperature 0 -> argmax (greedy); else (logits - max) /
+  temperature, top-k (keep logits >= the k-th largest: ties at the boundary are all kept), softmax, top-p (keep
+  the smallest set of most-likely tokens whose mass reaches p: a token stays when the mass strictly before it is
+  < p), sample.
 - Batches of prompts of different lengths are LEFT padded; the model's `attention_mask` hides the padding and
   numbers each row's real tokens 0, 1, 2, ... (see model/kv_cache.py), so a row decodes exactly as it would
   alone (greedy).
@@ -56,11 +58,18 @@ def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V) with the rule in the module docstring."""
+                generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V), all < vocab_limit (default V), with the rule in the module docstring."""
+    logits = logits[..., :vocab_limit]  # (B, vocab_limit): a prefix, so positions are still token ids
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Any positive temperature, however tiny: logits / 1e-40 would overflow to inf (softmax: NaN), so the max is
+    # subtracted first (the top logit becomes 0, the rest go to -inf); and a temperature below float32's smallest
+    # normal number is raised to it, as it would round to 0 (0 / 0 = NaN) where the distribution is one-hot on the
+    # top logits anyway. softmax subtracts the max itself, so T = 1 is bit-identical to plain logits / T.
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     probs = top_p_filter(logits.softmax(dim=-1), top_p)
@@ -69,12 +78,16 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | 
 
 def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None, eos_id: int | None = None,
-             seed: int | None = None, use_cache: bool = True) -> list[list[int]]:
-    """The new tokens of each prompt (a list of prompts, or one prompt as a flat list -> a list of one)."""
+             seed: int | None = None, use_cache: bool = True, vocab_limit: int | None = None) -> list[list[int]]:
+    """The new tokens of each prompt (a list of prompts, or one prompt as a flat list -> a list of one).
+
+    ``vocab_limit`` (default: the model's vocab_size) restricts sampling to ids below it, e.g. a tokenizer's
+    vocab_size when the model's vocabulary is padded beyond it.
+    """
     prompts = _as_batch(prompt_ids, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in stream(model, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       eos_id=eos_id, seed=seed, use_cache=use_cache):
+                       eos_id=eos_id, seed=seed, use_cache=use_cache, vocab_limit=vocab_limit):
         for row, token in zip(outputs, step):
             if token is not None:
                 row.append(token)
@@ -83,17 +96,19 @@ def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence
 
 def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int, *,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None, eos_id: int | None = None,
-           seed: int | None = None, use_cache: bool = True) -> Iterator[list[int | None]]:
+           seed: int | None = None, use_cache: bool = True,
+           vocab_limit: int | None = None) -> Iterator[list[int | None]]:
     """Yield, per decoding step, one new token id per prompt (None for a row that has already stopped).
 
     Arguments are checked here, before the first step, so bad input fails at the call, not at iteration.
     """
     _check_options(max_new_tokens, temperature, top_p, top_k)
+    _check_vocab_limit(vocab_limit, model.config.vocab_size)
     decoder = _Decoder(model, _as_batch(prompt_ids, model.config.vocab_size), max_new_tokens, use_cache)
     generator = None
     if seed is not None:
         generator = torch.Generator(decoder.tokens.device).manual_seed(seed)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, vocab_limit=vocab_limit)
     return _decode(decoder, max_new_tokens, eos_id, sampling)
 
 
@@ -161,6 +176,12 @@ def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+
+
+def _check_vocab_limit(vocab_limit: int | None, vocab_size: int) -> None:
+    if vocab_limit is not None and (not isinstance(vocab_limit, int) or not 1 <= vocab_limit <= vocab_size):
+        raise ValueError(f"vocab_limit must be an integer in [1, {vocab_size}] (the model's vocab_size) or None, "
+                         f"got {vocab_limit!r}")
 
 
 def _as_batch(prompt_ids: Sequence[int] | Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:

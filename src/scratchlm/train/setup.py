@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scratchlm.config import RunConfig
+from scratchlm.config import DEVICE_PATTERN, RunConfig
 from scratchlm.model import TransformerLM
 from scratchlm.optim.adamw import AdamW, param_groups_for
 
@@ -32,16 +32,24 @@ def set_matmul_precision(device: torch.device, tf32: bool) -> None:
 
 
 def select_device(name: str) -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine."""
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine.
+
+    The messages say "device", not a setting name: train.device, ``generate --device`` and ``eval --device`` all
+    land here.
+    """
+    if not DEVICE_PATTERN.fullmatch(name):
+        raise ValueError(f"device {name!r} is not one of auto, cpu, mps, cuda or cuda:N")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device = {name!r} but CUDA is not available on this machine (use auto or cpu)")
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (use auto or cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"train.device = {name!r} but MPS is not available on this machine (use auto or cpu)")
+        raise ValueError(f"device {name!r}: MPS is not available on this machine (use auto or cpu)")
     return device
 
 
