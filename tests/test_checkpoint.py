@@ -6,11 +6,12 @@ import errno
 import io
 import json
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from scratchlm.config import RunConfig
 from scratchlm.data.batches import BatchSampler
@@ -127,18 +128,20 @@ def test_load_for_inference_from_run_dir_picks_newest_valid(tmp_path):
         load_for_inference(tmp_path / "missing")
 
 
-def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer, failure", [
+    ("_write_json", OSError(errno.ENOSPC, "No space left on device")),  # after the weights were written
+    # safetensors' Rust writer raises its own SafetensorError, not an OSError, when the disk is full
+    ("save_file", SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")),
+])
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, writer, failure):
     model, optimizer, sampler = make_setup()
     manager = CheckpointManager(tmp_path)
     first = save(manager, 1, model, optimizer, sampler)
-    real_write_json = ckpt._write_json
 
-    def disk_full_on_rng(path, value):
-        if path.name == "rng.json":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write_json(path, value)
+    def disk_full(*args, **kwargs):
+        raise failure
 
-    monkeypatch.setattr(ckpt, "_write_json", disk_full_on_rng)
+    monkeypatch.setattr(ckpt, writer, disk_full)
     with pytest.raises(CheckpointError, match=r"step_0000002: No space left on device; the previous checkpoint "
                                               r".*step_0000001 is intact") as raised:
         save(manager, 2, model, optimizer, sampler)
@@ -156,10 +159,12 @@ def test_half_written_checkpoint_is_skipped_and_stale_temp_cleaned(tmp_path):
     (half / "model.safetensors").write_bytes(b"partial")
     stale = tmp_path / "checkpoints" / ".tmp-step_0000003-999"
     stale.mkdir()
+    stale_best = tmp_path / "checkpoints" / ".tmp-best.json"  # a crash while best.json was being replaced
+    stale_best.write_text('{"step": 1, "val')
     with pytest.warns(CheckpointWarning, match=r"skipping checkpoint .*step_0000002: meta.json is missing"):
         assert manager.latest_valid() == first
     save(manager, 3, model, optimizer, sampler)
-    assert not stale.exists()
+    assert not stale.exists() and not stale_best.exists()
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -187,6 +192,24 @@ def test_keeps_last_k_plus_best(tmp_path):
     assert [p.name for p in manager.checkpoints()] == ["step_0000002", "step_0000004", "step_0000005"]
     assert manager.best().name == "step_0000002"
     assert json.loads((tmp_path / "checkpoints" / "best.json").read_text())["val_loss"] == 1.0
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"step": 2, "val_loss": 1.0, "na', "is unreadable"),  # cut short
+    ('{"step": 2, "val_loss": 1.0}', "is not a {'step', 'val_loss', 'name'} record"),
+    ('{"step": 2, "val_loss": "low", "name": "step_0000002"}', "is not a {'step', 'val_loss', 'name'} record"),
+])
+def test_malformed_best_json_is_rebuilt_from_the_checkpoints(tmp_path, content, problem):
+    model, optimizer, sampler = make_setup()
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step, val_loss in [(1, 2.0), (2, 1.0)]:
+        save(manager, step, model, optimizer, sampler, val_loss=val_loss)
+    record = tmp_path / "checkpoints" / "best.json"
+    record.write_text(content)
+    with pytest.warns(CheckpointWarning, match=re.escape(f"{record} {problem}")):
+        save(manager, 3, model, optimizer, sampler, val_loss=1.5)
+    assert json.loads(record.read_text()) == {"step": 2, "val_loss": 1.0, "name": "step_0000002"}
+    assert [p.name for p in manager.checkpoints()] == ["step_0000002", "step_0000003"]  # the best was not pruned
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +26,8 @@ from scratchlm.cli import main as cli_main
 from scratchlm.config import RunConfig, load_config
 from scratchlm.data.token_file import write_token_file
 from scratchlm.model import TransformerLM
+from scratchlm.train import trainer as trainer_module
+from scratchlm.train.metrics import MetricsLogger, truncate_records
 from scratchlm.train.setup import build_optimizer
 from scratchlm.train.step import train_step
 from scratchlm.train.trainer import train
@@ -275,9 +280,51 @@ def test_resume_when_every_checkpoint_is_corrupt_is_refused(data, tmp_path: Path
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing was overwritten
 
 
-def test_metrics_logger_writes_and_echoes_non_finite_values(tmp_path: Path, capsys):
-    from scratchlm.train.metrics import MetricsLogger
+def test_a_checkpoint_records_only_the_val_loss_of_its_own_step(data, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(data, run_dir, "train.checkpoint_every=4"), quiet=True)  # evaluations at steps 6 and 12
+    evals = {r["step"]: r["val_loss"] for r in records(run_dir, "eval")}
+    saved = {p.name: json.loads((p / "meta.json").read_text())["val_loss"]
+             for p in (run_dir / "checkpoints").glob("step_*")}
+    assert saved == {"step_0000004": None, "step_0000008": None, "step_0000012": evals[12]}  # not step 6's
+    best = json.loads((run_dir / "checkpoints" / "best.json").read_text())
+    assert best == {"step": 12, "val_loss": evals[12], "name": "step_0000012"}
 
+
+def test_throughput_after_resume_counts_only_the_steps_run_since(data, tmp_path: Path, monkeypatch):
+    clock = SimpleNamespace(now=0.0)
+
+    def one_second_step(*args, **kwargs):
+        clock.now += 1.0
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "train_step", one_second_step)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    run_dir = tmp_path / "run"
+    config = tiny_config(data, run_dir, "train.log_every=5", "train.checkpoint_every=3")
+    train(config, quiet=True)
+    # As if killed after step 9's checkpoint, whose loss window holds steps 6-9: the resumed clock starts at 9.
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000012")
+    train(config, resume=True, quiet=True)
+    train_records = records(run_dir, "train")
+    assert [r["step"] for r in train_records] == [5, 10, 12]
+    assert [r["tokens_per_s"] for r in train_records] == [4 * 32] * 3  # one step per (fake) second
+
+
+def test_resume_drops_a_cut_last_metrics_line_but_refuses_a_malformed_one_elsewhere(tmp_path: Path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": step, "loss": 1.0}) for step in (1, 2, 3)]
+    path.write_text("\n".join(lines) + "\n" + lines[0][:10])  # killed mid-write
+    truncate_records(path, 2)
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+    damaged = "\n".join([lines[0], lines[1][:-5], lines[2]]) + "\n"
+    path.write_text(damaged)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: not a JSON object")):
+        truncate_records(path, 3)
+    assert path.read_text() == damaged  # the records after the damaged line are kept
+
+
+def test_metrics_logger_writes_and_echoes_non_finite_values(tmp_path: Path, capsys):
     logger = MetricsLogger(tmp_path, total_steps=1)
     logger.log({"kind": "eval", "step": 1, "tokens": 8, "wall_time": 0.1, "val_loss": 800.0, "val_ppl": math.inf})
     logger.close()

@@ -19,8 +19,9 @@ Trainer form (``CheckpointManager``), one directory per step, no pickle anywhere
 Atomicity: everything is written into a hidden temp directory beside the final one, each file fsynced,
 ``meta.json`` last (its presence with matching checksums is the completeness marker), then the directory is
 renamed into place and the parent fsynced. A crash or a full disk mid-save leaves at worst a ``.tmp-*``
-directory (removed by the next save) and never touches the previous checkpoints. ``latest_valid`` re-hashes
-files, so a truncated or bit-flipped checkpoint is skipped with a warning naming it and the bad file.
+directory or file (removed by the next save) and never touches the previous checkpoints. ``latest_valid``
+re-hashes files, so a truncated or bit-flipped checkpoint is skipped with a warning naming it and the bad file.
+best.json is bookkeeping derived from the meta.json files: a malformed one is rebuilt from them, with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -36,6 +38,7 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -63,7 +66,7 @@ class CheckpointError(UserError, OSError):
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped because it is incomplete or corrupt."""
+    """A checkpoint was skipped, or best.json rebuilt, because it is incomplete or corrupt."""
 
 
 # ---- CS336 single-file form -------------------------------------------------------------------------------
@@ -101,7 +104,15 @@ def _read_json(path: Path) -> Any:
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as error:
+        # The Rust writer reports a failed write (full disk, file size limit) as a SafetensorError, not an OSError;
+        # its message ends "(os error N)": raise that OSError, so save() reports it like any other failed write.
+        if (found := re.search(r"\(os error (\d+)\)", str(error))) is None:
+            raise
+        number = int(found.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from error
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
 
@@ -206,8 +217,10 @@ class CheckpointManager:
             original = self.directory / leftover.name.removeprefix(".tmp-old-").rsplit("-", 1)[0]
             if leftover.name.startswith(".tmp-old-") and not original.exists():
                 os.rename(leftover, original)  # crashed between the two renames of _replace_dir: put it back
-            else:
+            elif leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)  # .tmp-best.json of a crash inside _write_best
 
     def _write_files(self, temp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                      config: dict, sampler_state: dict, extra: dict | None, val_loss: float | None) -> None:
@@ -225,23 +238,59 @@ class CheckpointManager:
                                        "step": step, "val_loss": val_loss, "files": files})  # written last
 
     def _update_best(self, path: Path, step: int, val_loss: float | None) -> None:
-        if val_loss is None or not np.isfinite(val_loss):
+        best = self._best_record()
+        if val_loss is None or not np.isfinite(val_loss) or (best is not None and best["val_loss"] <= val_loss):
             return
-        best = self.best()
-        if best is not None and _read_json(self.directory / BEST_FILE)["val_loss"] <= val_loss:
-            return
+        self._write_best({"step": step, "val_loss": val_loss, "name": path.name})
+
+    def _write_best(self, record: dict) -> None:
         temp = self.directory / f".tmp-{BEST_FILE}"
-        _write_json(temp, {"step": step, "val_loss": val_loss, "name": path.name})
+        _write_json(temp, record)
         os.replace(temp, self.directory / BEST_FILE)
         _fsync_dir(self.directory)
 
     def best(self) -> Path | None:
         """The checkpoint with the lowest recorded val_loss, if it still exists."""
-        record = self.directory / BEST_FILE
-        if not record.is_file():
+        record = self._best_record()
+        if record is None:
             return None
-        path = self.directory / _read_json(record)["name"]
+        path = self.directory / record["name"]
         return path if path.is_dir() else None
+
+    def _best_record(self) -> dict | None:
+        """best.json's record, or None without one. A malformed best.json (edited, or damaged outside a save, which
+        replaces it atomically) must not stop training, nor let pruning remove the best checkpoint: it is rebuilt
+        from the val_loss in the checkpoints' meta.json, with a warning."""
+        path = self.directory / BEST_FILE
+        if not path.is_file():
+            return None
+        try:
+            record = _read_json(path)
+            if _is_best_record(record):
+                return record
+            problem = f"is not a {{'step', 'val_loss', 'name'}} record: {record!r:.80}"
+        except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
+            problem = f"is unreadable ({error})"
+        warnings.warn(f"{path} {problem}; rebuilding it from the checkpoints' {META_FILE}", CheckpointWarning,
+                      stacklevel=2)
+        rebuilt = self._best_from_meta()
+        if rebuilt is None:
+            path.unlink()
+        else:
+            self._write_best(rebuilt)
+        return rebuilt
+
+    def _best_from_meta(self) -> dict | None:
+        candidates = []
+        for path in self.checkpoints():  # oldest first: min() keeps the earliest of equal losses, as _update_best
+            try:
+                meta = _read_json(path / META_FILE)
+                step, val_loss = meta["step"], meta["val_loss"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # incomplete or corrupt: latest_valid names it
+            if isinstance(val_loss, (int, float)) and np.isfinite(val_loss):
+                candidates.append({"step": step, "val_loss": val_loss, "name": path.name})
+        return min(candidates, key=lambda record: record["val_loss"], default=None)
 
     def _prune(self, saved: Path) -> None:
         """Keep the newest ``keep_last`` up to the one just saved, plus the best. Directories of later steps can
@@ -284,6 +333,11 @@ class CheckpointManager:
         return {"step": trainer["step"], "config": _read_json(path / "config.json"),
                 "sampler_state": trainer["sampler_state"], "extra": trainer["extra"],
                 "val_loss": trainer["val_loss"], "path": path}
+
+
+def _is_best_record(value: Any) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"].startswith(STEP_PREFIX)
+            and isinstance(value.get("val_loss"), (int, float)))
 
 
 def _replace_dir(temp: Path, final: Path) -> None:

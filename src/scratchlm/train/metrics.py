@@ -2,8 +2,10 @@
 
 metrics.jsonl is the run's record that sweeps, reports and plots read back (schema: docs/architecture.md,
 "Run directory"). Each record is one line, written and flushed as it happens, so a killed run loses at most a
-half-written last line (readers drop it). Resuming truncates the file back to the checkpoint's step, so the
-resumed run's file reads like the uninterrupted run's.
+half-written last line (readers drop it). It is read back with ``experiments.runs.read_metrics``, the reader
+sweeps and reports use: a malformed line elsewhere is an error naming the file and line, so a resume never
+rewrites the file without the records after it. Resuming truncates the file back to the checkpoint's step, so
+the resumed run's file reads like the uninterrupted run's.
 
 The trainer calls this only at log/eval steps (never per step), so nothing here forces a host sync.
 Only the main process (rank 0) should build a MetricsLogger.
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from scratchlm.experiments.runs import read_metrics
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -41,7 +45,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, quiet: bool = False,
                  wandb_project: str | None = None, wandb_config: dict | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
-        self.records: list[dict[str, Any]] = read_records(self.path) if self.path.exists() else []
+        self.records: list[dict[str, Any]] = read_metrics(self.path) if self.path.exists() else []
         self._file = self.path.open("a", encoding="utf-8")
         interactive = sys.stderr.isatty() and not quiet
         self._echo = not quiet and not interactive  # no terminal: one plain line per log record instead of a bar
@@ -96,22 +100,11 @@ def describe(record: dict[str, Any]) -> str:
     return f"step {step}: {record['status']}" + (f": {record['message']}" if record.get("message") else "")
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a final line cut short by a kill is dropped."""
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # only the last line can be cut short: nothing valid follows it
-    return records
-
-
 def truncate_records(path: Path, last_step: int) -> None:
     """Keep the records up to ``last_step`` (the resumed checkpoint) and drop any ``end`` record, atomically."""
     if not path.exists():
         return
-    kept = [r for r in read_records(path) if r["kind"] != "end" and r["step"] <= last_step]
+    kept = [r for r in read_metrics(path) if r["kind"] != "end" and r["step"] <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)

@@ -19,6 +19,7 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 import threading
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ from scratchlm.train.setup import (
 from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
 
 CONFIG_FILE = "config.toml"
+T = TypeVar("T")
 
 
 @dataclass
@@ -197,12 +200,13 @@ class _Loop:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = _step_flops(config) if self.peak_flops else None
-        self.last_val_loss: float | None = None
 
     def run(self, stop: StopRequest) -> TrainResult:
         cfg = self.config.train
         self.start_step, self.start_wall = self.state.step, self.state.wall_time
         self.session_start = self.window_start = time.perf_counter()
+        # The throughput window starts here even when the restored loss window holds steps from before the resume.
+        self.window_start_step = self.state.step
         self.paused = self.session_paused = 0.0  # eval/checkpoint/plot time, left out of tokens/s
         status, message = "finished", ""
         while self.state.step < cfg.max_steps:
@@ -229,10 +233,10 @@ class _Loop:
                 break
             if log:
                 self._log_train(lr, grad_norm)
-            if evaluate_now and self.val_tokens is not None:
-                self._paused(self._evaluate)
+            # A checkpoint records the val_loss of its own step only: best.json must not credit it with an older one.
+            val_loss = self._paused(self._evaluate) if evaluate_now and self.val_tokens is not None else None
             if save:
-                self._paused(self._checkpoint)
+                self._paused(functools.partial(self._checkpoint, val_loss))
             if stopping:
                 status, message = "interrupted", f"stopped by {stop.received}; checkpoint saved at step {step}"
                 break
@@ -246,11 +250,12 @@ class _Loop:
             return stop.received is not None
         return log and distributed.any_rank(stop.received is not None, self.device)
 
-    def _paused(self, work: Callable[[], None]) -> None:
+    def _paused(self, work: Callable[[], T]) -> T:
         start = time.perf_counter()
-        work()
+        result = work()
         self.paused += time.perf_counter() - start
         self.session_paused += time.perf_counter() - start
+        return result
 
     def _wall_time(self) -> float:
         return self.start_wall + time.perf_counter() - self.session_start
@@ -258,10 +263,10 @@ class _Loop:
     def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
         loss = (distributed.mean_across_ranks(self.window_loss) / self.state.window_steps).item()
         seconds = max(time.perf_counter() - self.window_start - self.paused, 1e-9)
-        steps = self.state.window_steps
+        steps = self.state.step - self.window_start_step
         self.state.last_train_loss = loss
         self.window_loss, self.state.window_steps = torch.zeros((), device=self.device), 0
-        self.window_start, self.paused = time.perf_counter(), 0.0
+        self.window_start, self.window_start_step, self.paused = time.perf_counter(), self.state.step, 0.0
         if self.logger is None:
             return
         mfu = steps * self.step_flops / seconds / self.peak_flops if self.peak_flops else None
@@ -269,23 +274,24 @@ class _Loop:
                          "wall_time": self._wall_time(), "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
 
-    def _evaluate(self) -> None:
+    def _evaluate(self) -> float | None:
+        """The validation loss on rank 0 (None on the other ranks), logged there."""
         # Under FSDP2 every rank takes part in the forward (all-gathers); otherwise only rank 0 evaluates.
         if self.logger is None and not distributed.is_fsdp(self.raw_model):
-            return
+            return None
         # The unwrapped model: a DDP wrapper would try to sync buffers with ranks that are not evaluating.
         val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device, self.config.train.eval_batches)
         if self.logger is None:
-            return
-        self.last_val_loss = val_loss
+            return None
         best = self.state.best_val_loss
         if math.isfinite(val_loss) and (best is None or val_loss < best):
             self.state.best_val_loss = val_loss
         self.logger.log({"kind": "eval", "step": self.state.step, "tokens": self.state.tokens,
                          "wall_time": self._wall_time(), "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
         self._plot()
+        return val_loss
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, val_loss: float | None) -> None:
         # Full, unsharded state: a collective under FSDP2, so every rank takes part before rank 0 saves.
         model, optimizer = distributed.checkpoint_sources(self.raw_model, self.optimizer)
         if self.logger is None:
@@ -294,7 +300,7 @@ class _Loop:
         self.state.window_loss_sum = self.window_loss.item()
         extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
         self.checkpoints.save(self.state.step, model, optimizer, config=self.config.to_dict(),
-                              sampler_state=self.sampler.state_dict(), extra=extra, val_loss=self.last_val_loss)
+                              sampler_state=self.sampler.state_dict(), extra=extra, val_loss=val_loss)
 
     def _plot(self) -> None:
         run_dir = Path(self.config.train.run_dir)
