@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import psutil
@@ -113,6 +114,19 @@ def test_sampler_rejects_incompatible_state_and_bad_rank():
         BatchSampler(data, 8, 16, "cpu", seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="rank 2 is not in"):
         BatchSampler(data, 4, 16, "cpu", seed=1, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda state: state.pop("bit_generator"), "malformed: it has no ['bit_generator']"),
+    (lambda state: state.update(bit_generator="PCG64"), "malformed: its bit_generator 'PCG64' is not a PCG64 state"),
+    (lambda state: state["bit_generator"].pop("state"), "malformed: its bit_generator {'bit_generator': 'PCG64'"),
+], ids=["no bit_generator", "bit_generator not a dict", "bit_generator without its state"])
+def test_sampler_rejects_a_malformed_state_naming_what_is_wrong(damage, message):
+    data = np.arange(1000, dtype=np.uint16)
+    state = json.loads(json.dumps(BatchSampler(data, 4, 16, "cpu", seed=1).state_dict()))  # as a checkpoint holds it
+    damage(state)
+    with pytest.raises(ValueError, match=re.escape(f"BatchSampler: the checkpoint's sampler state is {message}")):
+        BatchSampler(data, 4, 16, "cpu", seed=1).load_state_dict(state)
 
 
 def test_validation_batches_cover_the_file_in_order():

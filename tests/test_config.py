@@ -74,6 +74,7 @@ def test_overrides_are_parsed_to_field_types(base: Path):
     ("train.max_steps=abc", "train.max_steps='abc': expected int"),
     ("train.max_steps=1.5", "expected int"),
     ("train.compile=maybe", "expected bool"),
+    ("train.seed=-3", "train.seed must be >= 0, got -3"),
     ("optim.betas=0.9", "expected a list of float, float"),
     ("optim.lr", "must look like section.key=value"),
     ("lr=3", "must look like section.key=value"),
@@ -99,6 +100,7 @@ def test_bad_overrides(base: Path, override: str, message: str):
     ("[train]\ndevice = \"gpu\"", "train.device must be auto, cpu, mps, cuda or cuda:N"),
     ("[model]\npreset = \"huge\"", "unknown model preset 'huge'"),
     ("[data]\nbatch_size = 0", "data.batch_size must be positive"),
+    ("[train]\nseed = -1", "train.seed must be >= 0, got -1"),
     ("optim = 3", "config section [optim] must be a table"),
     ("[train\n", "invalid TOML"),
 ])

@@ -13,6 +13,7 @@ import math
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,33 @@ def test_killed_writer_truncated_last_line_is_ignored_but_corruption_elsewhere_i
     path.write_text('{"kind": "train", "step": 1, "loss": 3.0}\n{"kind": "tra')
     assert [r["step"] for r in read_metrics(path)] == [1]
     assert run_status(tmp_path) == "interrupted"
-    path.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "end", "step": 1, "status": "finished"}\n')
+    path.write_text('{"kind": "train", "step": 1, "loss": 3.0}\nnot json\n'
+                    '{"kind": "end", "step": 1, "status": "finished"}\n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: not a JSON object")):
         read_metrics(path)
     path.write_text('[1, 2]\n')
     with pytest.raises(ValueError, match=":1: expected an object with a 'kind' field"):
         read_metrics(path)
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"kind": "eval", "step": 10, "val_ppl": 9.0}, "'eval' record without a 'val_loss' field"),
+    ({"kind": "end", "step": 10, "message": ""}, "'end' record without a 'status' field"),
+    ({"kind": "train", "loss": 3.0}, "'train' record without a 'step' field"),
+    ({"kind": "train", "step": "ten", "loss": 3.0}, "'train' record with an invalid step 'ten'"),
+    ({"kind": "eval", "step": 10, "val_loss": None}, "'eval' record with an invalid val_loss None"),
+    ({"kind": "end", "step": 10, "status": "done"}, "'end' record with an invalid status 'done'"),
+    ({"kind": ["end"], "step": 10}, "expected an object with a 'kind' field"),
+])
+def test_record_missing_a_required_field_names_the_file_and_line(tmp_path, capsys, record, message):
+    run = make_run(tmp_path, "run", final_loss=2.0)
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], json.dumps(record), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{metrics}:2: {message}")):
+        read_metrics(metrics)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 1  # one line, no traceback
+    assert f"{metrics}:2: {message}" in capsys.readouterr().err
 
 
 def test_missing_run_dir_or_metrics_is_a_clear_error(tmp_path):
@@ -130,6 +152,32 @@ def test_baseline_outside_the_list_is_added_and_used(runs, tmp_path):
     markdown = md_path.read_text()
     assert "| baseline | finished | 50 |" in markdown and "| baseline |" in markdown.split("\n")[6]
     assert "+0.3000" in markdown
+
+
+def test_many_runs_cap_the_legend_instead_of_squeezing_the_panels_away():
+    from scratchlm.experiments.report import plot_curves
+    from scratchlm.experiments.runs import RunRecord
+
+    def png_height(count: int) -> int:
+        runs = [RunRecord(path=Path(f"r{i}"), name=f"run{i}", config={}, end={"step": 3, "status": "finished"},
+                          train=[{"step": s, "wall_time": s, "loss": 5 - s / 10} for s in range(1, 4)])
+                for i in range(count)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # was: "Tight layout not applied" and a legend over the panels
+            png = plot_curves(runs)
+        return int.from_bytes(png[20:24], "big")
+
+    assert png_height(4) < png_height(130) == png_height(500)  # the legend grows with the runs, up to a cap
+
+
+def test_runs_sharing_parent_and_name_get_distinct_labels_and_a_repeated_run_is_refused(tmp_path):
+    first = make_run(tmp_path / "a" / "lr", "run", final_loss=2.0)
+    second = make_run(tmp_path / "b" / "lr", "run", final_loss=2.1)
+    _, md_path = write_report([first, second], out_dir=tmp_path / "out")
+    markdown = md_path.read_text()
+    assert "| lr/run | finished |" in markdown and "| lr/run #2 | finished |" in markdown
+    with pytest.raises(ValueError, match=re.escape(f"run directory {tmp_path / 'a/lr/../lr/run'} is given twice")):
+        write_report([first, second, tmp_path / "a/lr/../lr/run"], out_dir=tmp_path / "out")
 
 
 def test_report_cli_expands_a_sweep_directory(runs, tmp_path, capsys):

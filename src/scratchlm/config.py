@@ -90,6 +90,8 @@ class TrainConfig:
         for name in ("max_steps", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
                      "checkpoint_every", "keep_last"):
             _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        # numpy's generators take only non-negative seeds: caught here, not at the first batch, naming the key.
+        _require(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.parallel in PARALLEL, f"train.parallel must be one of {PARALLEL}, got {self.parallel!r}")
         _require(bool(DEVICE_PATTERN.match(self.device)),

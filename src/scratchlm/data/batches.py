@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 STATE_VERSION = 1
+MALFORMED_STATE = "BatchSampler: the checkpoint's sampler state is malformed"
 
 
 def _check_sizes(num_tokens: int, batch_size: int, context_length: int, what: str) -> None:
@@ -114,18 +115,33 @@ class BatchSampler:
                 "bit_generator": self._rng.bit_generator.state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where ``state`` left off; a state from a different setup is a ValueError."""
+        """Continue exactly where ``state`` left off; a state from a different setup, or a damaged one, is a
+        ValueError."""
+        self._check_state(state)
+        try:
+            self._rng.bit_generator.state = state["bit_generator"]
+        except (KeyError, TypeError, ValueError) as error:  # numpy's own message does not say where it came from
+            kind = type(self._rng.bit_generator).__name__
+            raise ValueError(f"{MALFORMED_STATE}: its bit_generator {state['bit_generator']!r:.80} is not a {kind} "
+                             f"state ({error})") from None
+        self.seed = state["seed"]  # the stream continues from the saved state, whatever seed this run was given
+        self.batches_drawn = int(state["batches_drawn"])
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """A ValueError naming what is wrong unless ``state`` is a whole state_dict() of a compatible sampler."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{MALFORMED_STATE}: expected a dict, got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"BatchSampler: unsupported sampler state version {state.get('version')!r} "
                              f"(expected {STATE_VERSION})")
+        missing = sorted(self.state_dict().keys() - state.keys())  # every key state_dict() writes
+        if missing:
+            raise ValueError(f"{MALFORMED_STATE}: it has no {missing}")
         for key in ("rank", "world_size", "batch_size", "context_length", "num_tokens"):
             mine = len(self.tokens) if key == "num_tokens" else getattr(self, key)
-            if state.get(key) != mine:
-                raise ValueError(f"BatchSampler: cannot resume, saved {key}={state.get(key)!r} but this run has "
+            if state[key] != mine:
+                raise ValueError(f"BatchSampler: cannot resume, saved {key}={state[key]!r} but this run has "
                                  f"{key}={mine!r}")
-        self._rng.bit_generator.state = state["bit_generator"]
-        self.seed = state["seed"]  # the stream continues from the saved state, whatever seed this run was given
-        self.batches_drawn = int(state["batches_drawn"])
 
 
 def validation_batches(tokens: np.ndarray, batch_size: int, context_length: int, device: str | torch.device,

@@ -14,6 +14,7 @@ import base64
 import html
 import io
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,12 @@ from scratchlm.experiments.runs import RunRecord, load_run
 # Keys that differ between any two runs by construction (where each run writes), never an experimental change.
 IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name"})
 MISSING = "(unset)"
+LINE_STYLES, COLORS = ("-", "--", "-.", ":"), 10  # run i: color C(i % 10), then the next dash every ten runs
+# Past this many runs a line repeats an earlier run's color and dash, so a legend entry could not tell which it is;
+# the rest are summed up in one last entry (the table names them all), which also bounds the legend's height.
+MAX_LEGEND_ENTRIES = COLORS * len(LINE_STYLES)
+LEGEND_COLUMNS = 4
+PANELS_HEIGHT, LEGEND_ROW_HEIGHT, LEGEND_PAD = 8.0, 0.22, 0.2  # inches
 
 
 @dataclass
@@ -43,11 +50,18 @@ def config_diff(run: dict[str, Any], baseline: dict[str, Any]) -> dict[str, tupl
 
 
 def unique_names(paths: list[Path]) -> list[str]:
-    """Short run labels: the directory name, or parent/name where two runs share a directory name."""
-    names = [p.resolve().name for p in paths]
-    if len(set(names)) == len(names):
-        return names
-    return [f"{p.resolve().parent.name}/{p.resolve().name}" for p in paths]
+    """Short run labels: the directory name, or parent/name where two runs share a directory name, numbered
+    ("name #2") where even that repeats (runs/a/x/run and runs/b/x/run)."""
+    resolved = [p.resolve() for p in paths]
+    names = [p.name for p in resolved]
+    if len(set(names)) < len(names):
+        names = [f"{p.parent.name}/{p.name}" for p in resolved]
+    seen: Counter[str] = Counter()
+    labels = []
+    for name in names:
+        seen[name] += 1
+        labels.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return labels
 
 
 def build_rows(runs: list[RunRecord], baseline: RunRecord) -> list[Row]:
@@ -86,8 +100,9 @@ def plot_curves(runs: list[RunRecord]) -> bytes:
 
     panels = [("evals", "val_loss", "validation loss"), ("train", "loss", "training loss")]
     axes_x = [("step", "step"), ("wall_time", "wall-clock time (s)")]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
-    styles = ["-", "--", "-.", ":"]
+    entries = min(len(runs), MAX_LEGEND_ENTRIES + 1)
+    legend_height = LEGEND_ROW_HEIGHT * math.ceil(entries / LEGEND_COLUMNS) + LEGEND_PAD
+    fig, axes = plt.subplots(2, 2, figsize=(12, PANELS_HEIGHT + legend_height), squeeze=False)
     for row, (source, y_key, y_label) in enumerate(panels):
         for col, (x_key, x_label) in enumerate(axes_x):
             ax = axes[row][col]
@@ -95,8 +110,9 @@ def plot_curves(runs: list[RunRecord]) -> bytes:
             for index, (run, points) in enumerate(zip(runs, series)):
                 if points:
                     label = run.name + (" (diverged)" if run.status == "diverged" else "")
-                    ax.plot(*zip(*points), styles[(index // 10) % len(styles)], color=f"C{index % 10}",
-                            linewidth=1.4, marker="o" if len(points) < 3 else None, label=label)
+                    style = LINE_STYLES[(index // COLORS) % len(LINE_STYLES)]
+                    ax.plot(*zip(*points), style, color=f"C{index % COLORS}", linewidth=1.4,
+                            marker="o" if len(points) < 3 else None, label=label)
             healthy = [points for run, points in zip(runs, series) if run.status != "diverged"]
             if limits := _loss_limits(healthy if any(healthy) else series):
                 ax.set_ylim(*limits)
@@ -106,16 +122,29 @@ def plot_curves(runs: list[RunRecord]) -> bytes:
             ax.set_ylabel(y_label)
             ax.set_title(f"{y_label} vs {x_label.split(' (')[0]}")
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[1][0].get_legend_handles_labels()
-    if not handles:
-        handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), frameon=False, fontsize=10)
-    fig.tight_layout(rect=(0, 0.04 + 0.03 * math.ceil(len(runs) / 4), 1, 1))
+    _add_legend(fig, axes)
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def _add_legend(fig: Any, axes: Any) -> None:
+    """One legend below the panels for all of them; runs past MAX_LEGEND_ENTRIES are counted in a last entry."""
+    from matplotlib.lines import Line2D
+
+    handles, labels = axes[1][0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[0][0].get_legend_handles_labels()
+    if not handles:
+        return
+    if len(handles) > MAX_LEGEND_ENTRIES:
+        hidden = len(handles) - MAX_LEGEND_ENTRIES
+        handles = [*handles[:MAX_LEGEND_ENTRIES], Line2D([], [], linestyle="none")]
+        labels = [*labels[:MAX_LEGEND_ENTRIES], f"... and {hidden} more runs (see the table)"]
+    fig.legend(handles, labels, loc="lower center", ncol=min(LEGEND_COLUMNS, len(labels)), frameon=False,
+               fontsize=10)
 
 
 def _num(value: float, digits: int) -> str:
@@ -219,7 +248,11 @@ def write_report(run_dirs: list[str | Path], *, out_dir: str | Path, baseline: s
     if not run_dirs:
         raise ValueError("no run directories given to report on")
     paths = [Path(p) for p in run_dirs]
-    if baseline is not None and Path(baseline).resolve() not in [p.resolve() for p in paths]:
+    resolved = [p.resolve() for p in paths]
+    for index, path in enumerate(resolved):
+        if path in resolved[:index]:  # its curves would be drawn twice, under two labels
+            raise ValueError(f"run directory {paths[index]} is given twice (also as {paths[resolved.index(path)]})")
+    if baseline is not None and Path(baseline).resolve() not in resolved:
         paths.insert(0, Path(baseline))
     runs = [load_run(p, name) for p, name in zip(paths, unique_names(paths))]
     base_path = Path(baseline).resolve() if baseline is not None else paths[0].resolve()

@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,51 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             if is_cut_short:
                 break
             raise ValueError(f"{path}:{number}: not a JSON object ({error.msg}): {line[:80]!r}") from None
-        if not isinstance(record, dict) or "kind" not in record:
+        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
             raise ValueError(f"{path}:{number}: expected an object with a 'kind' field, got {line[:80]!r}")
+        if problem := _field_problem(record):
+            raise ValueError(f"{path}:{number}: {problem}: {line[:80]!r}")
         records.append(record)
     return records
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_loss(value: Any) -> bool:
+    """A number, or the string a non-finite loss is written as ("nan", "inf"): what ``float()`` reads back."""
+    if isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _is_status(value: Any) -> bool:
+    return value in (*DONE_STATUSES, "interrupted")
+
+
+# The fields readers index without a default, per kind (the trainer writes all of them; reports and sweeps read
+# the rest with .get, so a record missing one of these would otherwise surface as a bare KeyError far away).
+REQUIRED_FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "train": {"step": _is_step, "loss": _is_loss},
+    "eval": {"step": _is_step, "val_loss": _is_loss},
+    "end": {"step": _is_step, "status": _is_status},
+}
+
+
+def _field_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with a record's required fields (None when nothing is): a record of unknown kind has none."""
+    kind = record["kind"]
+    for name, is_valid in REQUIRED_FIELDS.get(kind, {}).items():
+        if name not in record:
+            return f"{kind!r} record without a {name!r} field"
+        if not is_valid(record[name]):
+            return f"{kind!r} record with an invalid {name} {record[name]!r}"
+    return None
 
 
 def run_status(run_dir: Path) -> str:
