@@ -7,13 +7,14 @@ the default settings are measured by hand (docs/experiments.md) because they tak
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scratchlm.cli import main
-from scratchlm.demo import DemoPaths, demo_config, fit_to_budget, read_prefix, split_holdout
+from scratchlm.demo import DemoPaths, demo_config, fit_to_budget, read_prefix, resolve_corpus, split_holdout
 
 TINY_MODEL = ["model.context_length=32", "data.batch_size=8", "model.d_model=32", "model.num_layers=1",
               "model.num_heads=2", "model.d_ff=64"]
@@ -44,12 +45,30 @@ def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sa
 
 
 def test_missing_default_corpus_says_what_to_do(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("scratchlm.paths.shared_data_file", lambda relative: None)
+    monkeypatch.setattr("scratchlm.paths.shared_data_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)  # no downloaded TinyStories here either
     assert main(["demo", "--out", str(tmp_path / "demo")]) == 1
     err = capsys.readouterr().err
     assert "pass --data FILE" in err and "scratchlm data download tinystories" in err
     assert main(["demo", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "demo")]) == 1
     assert "nope.txt: no such file" in capsys.readouterr().err
+
+
+def test_default_corpus_is_found_where_data_download_puts_it(monkeypatch, tmp_path):
+    monkeypatch.setattr("scratchlm.paths.shared_data_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    downloaded = tmp_path / "data" / "tinystories"  # `scratchlm data download tinystories` with its defaults
+    downloaded.mkdir(parents=True)
+    (downloaded / "TinyStoriesV2-GPT4-train.txt").write_text("Once upon a time.\n<|endoftext|>\n")
+    assert resolve_corpus(None) == (Path("data/tinystories/TinyStoriesV2-GPT4-train.txt"), None)
+    (downloaded / "TinyStoriesV2-GPT4-valid.txt").write_text("The end.\n<|endoftext|>\n")
+    assert resolve_corpus(None)[1] == Path("data/tinystories/TinyStoriesV2-GPT4-valid.txt")
+
+
+@pytest.mark.parametrize("minutes", ["inf", "nan", "0", "-1"])
+def test_minutes_must_be_positive_and_finite(tmp_path, capsys, minutes):
+    assert main(["demo", "--minutes", minutes, "--out", str(tmp_path / "demo")]) == 1
+    assert "--minutes must be a positive finite number" in capsys.readouterr().err
 
 
 def test_holdout_keeps_whole_documents_and_at_least_the_fraction():
@@ -60,11 +79,19 @@ def test_holdout_keeps_whole_documents_and_at_least_the_fraction():
     assert len(valid) >= 0.05 * len(text) and valid.startswith("story") and train.endswith("<|endoftext|>\n")
 
 
+def test_holdout_ignores_a_document_boundary_far_before_the_cut():
+    text = "doc one\n" * 50 + "<|endoftext|>\n" + "doc two\n" * 950  # one early document end
+    train, valid = split_holdout(text, 0.05)
+    assert train + valid == text
+    assert 0.05 * len(text) <= len(valid) <= 0.1 * len(text) and valid.startswith("doc two")
+
+
 @settings(deadline=None)  # no per-example deadline: CI machines can be slow and busy
 @given(st.text(alphabet="ab \n<|endoftext|>", max_size=300), st.floats(0.01, 0.5))
-def test_holdout_never_loses_text(text, fraction):
+def test_holdout_never_loses_text_and_keeps_validation_near_the_fraction(text, fraction):
     train, valid = split_holdout(text, fraction)
     assert train + valid == text
+    assert fraction * len(text) <= len(valid) < 2 * fraction * len(text) + 1
 
 
 def test_read_prefix_cuts_at_a_line_end_never_inside_a_character(tmp_path):

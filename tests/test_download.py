@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import os
 import re
 import socket
 import threading
@@ -18,25 +19,41 @@ FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
 
 
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """SimpleHTTPRequestHandler plus `Range: bytes=N-` support, a request log, and a truncation switch."""
+    """SimpleHTTPRequestHandler plus `Range: bytes=N-` and `If-Range: LAST-MODIFIED` support (416 past the end, as
+    real servers do), a request log, and switches to truncate a transfer or cut a chunked one short."""
 
     def log_message(self, *args):  # keep test output clean
         pass
 
     def send_head(self):
-        self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        self.server.requests.append((self.command, self.path, self.headers.get("Range"), self.headers.get("If-Range")))
+        if self.server.cut_chunked and self.command == "GET":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            return _BytesFile(b"100\r\n" + b"x" * 10)  # a 256-byte chunk, cut after 10 bytes by the closed connection
         match = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
         path = Path(self.translate_path(self.path))
-        if not match or not self.server.honour_ranges or not path.is_file():
+        if not match or not self.server.honour_ranges or not path.is_file() or not self._same_version(path):
             return super().send_head()
         data = path.read_bytes()
         start = int(match.group(1))
+        if start >= len(data):
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{len(data)}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         body = data[start:]
         self.send_response(206)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         return _BytesFile(body)
+
+    def _same_version(self, path: Path) -> bool:
+        validator = self.headers.get("If-Range")
+        return validator is None or validator == self.date_time_string(int(path.stat().st_mtime))
 
     def copyfile(self, source, outputfile):
         data = source.read()
@@ -65,7 +82,7 @@ def server(tmp_path):
     (remote / FILES[0]).write_bytes(("Once upon a time, a cat sat. <|endoftext|>\n" * 3000).encode())
     (remote / FILES[1]).write_bytes("Lily saw a bird – “hi” 🐦\n<|endoftext|>\n".encode() * 50)
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(RangeHandler, directory=str(remote)))
-    httpd.requests, httpd.honour_ranges, httpd.truncate_get = [], True, False
+    httpd.requests, httpd.honour_ranges, httpd.truncate_get, httpd.cut_chunked = [], True, False, False
     httpd.remote = remote
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -126,6 +143,45 @@ def test_truncated_transfer_keeps_part_and_no_final_file(server, tmp_path):
     server.truncate_get = False  # a rerun resumes and completes
     download_tinystories(out, base_url=server.url, files=FILES[:1], progress=False)
     assert (out / FILES[0]).read_bytes() == (server.remote / FILES[0]).read_bytes()
+
+
+@pytest.mark.parametrize("head_refused", [False, True])
+def test_complete_part_left_before_the_rename_is_finished(server, tmp_path, monkeypatch, head_refused):
+    if head_refused:  # the size then comes from the 416's Content-Range
+        monkeypatch.setattr(RangeHandler, "do_HEAD", lambda self: self.send_error(405), raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    full = (server.remote / FILES[0]).read_bytes()
+    (out / (FILES[0] + ".part")).write_bytes(full)
+    for _ in range(2):  # and a rerun skips the finished file
+        download_tinystories(out, base_url=server.url, files=FILES[:1], progress=False)
+    assert (out / FILES[0]).read_bytes() == full
+    assert sorted(p.name for p in out.iterdir()) == [FILES[0]]
+
+
+@pytest.mark.parametrize("new_size", ["longer", "same"])
+def test_part_of_an_older_version_is_not_resumed(server, tmp_path, new_size):
+    out = tmp_path / "out"
+    server.truncate_get = True  # half of the old version lands in the .part, its version beside it
+    with pytest.raises(DownloadError, match="truncated"):
+        download_tinystories(out, base_url=server.url, files=FILES[:1], progress=False)
+    server.truncate_get = False
+    remote = server.remote / FILES[0]
+    old = remote.read_bytes()
+    (out / (FILES[0] + ".part")).write_bytes(old[: len(old) // 2] if new_size == "longer" else old)
+    remote.write_bytes(b"A new version. " * (len(old) // 10) if new_size == "longer" else old.upper())
+    os.utime(remote, (remote.stat().st_mtime + 10,) * 2)
+    download_tinystories(out, base_url=server.url, files=FILES[:1], progress=False)
+    assert (out / FILES[0]).read_bytes() == remote.read_bytes()
+    assert _gets(server)[-1][3] is not None  # it resumed with If-Range; the server sent the new version whole
+
+
+def test_transfer_cut_short_is_a_download_error_keeping_the_part(server, tmp_path):
+    server.cut_chunked = True
+    out = tmp_path / "out"
+    with pytest.raises(DownloadError, match=rf"{re.escape(FILES[0])} interrupted: IncompleteRead.*rerun to resume"):
+        download_tinystories(out, base_url=server.url, files=FILES[:1], progress=False)
+    assert (out / (FILES[0] + ".part")).exists() and not (out / FILES[0]).exists()
 
 
 def test_missing_file_is_a_clear_http_error(server, tmp_path):

@@ -5,9 +5,10 @@ a generated story -> the run's HTML/Markdown report. Everything lands in one out
 the end.
 
 Design:
-- The default corpus is TinyStories from the shared data folder (scratchlm.paths); ``--data FILE`` trains on
-  any UTF-8 text instead, holding out its last ~5% (cut at a document or line boundary) for validation. Only
-  the first ``MAX_CORPUS_BYTES`` of a corpus are used, so a huge file cannot blow the time budget.
+- The default corpus is TinyStories from the shared data folder (scratchlm.paths), else the files that
+  ``scratchlm data download tinystories`` puts in its default folder; ``--data FILE`` trains on any UTF-8 text
+  instead, holding out its last ~5% (cut at a nearby document or line boundary) for validation. Only the first
+  ``MAX_CORPUS_BYTES`` of a corpus are used, so a huge file cannot blow the time budget.
 - The time budget is met by planning, not by cutting the run short: a few real training steps measure the
   step time, and ``train.max_steps`` is chosen so that training plus its evaluations fit in ``--minutes``.
   The warm-up and cosine decay are then laid over exactly those steps, so the schedule ends where it should.
@@ -34,8 +35,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scratchlm.config import RunConfig
 
-DEFAULT_TRAIN = "tinystories/TinyStories-train.txt"
-DEFAULT_VALID = "tinystories/TinyStories-valid.txt"
+SHARED_TRAIN = "tinystories/TinyStories-train.txt"  # the shared data folder's TinyStories sample
+SHARED_VALID = "tinystories/TinyStories-valid.txt"
 MAX_CORPUS_BYTES = 8_000_000
 HOLDOUT_FRACTION = 0.05
 EOT = "<|endoftext|>"
@@ -76,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="the whole pipeline in a few minutes: tokenizer, data, training, story",
                                  description="Train a tokenizer and a small model on TinyStories (or --data) within "
                                              "a time budget, print a generated story and write a report.")
-    demo.add_argument("--data", type=Path, help="UTF-8 text to train on (default: the shared TinyStories corpus)")
+    demo.add_argument("--data", type=Path, help="UTF-8 text to train on (default: TinyStories from the shared data "
+                                                "folder, else from `scratchlm data download tinystories`)")
     demo.add_argument("--out", type=Path, help="output folder (default: runs/demo-YYYYmmdd-HHMMSS)")
     demo.add_argument("--minutes", type=float, default=5.0, help="training time budget in minutes (default: 5)")
     demo.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size (default: 2048)")
@@ -89,17 +91,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def resolve_corpus(data: Path | None) -> tuple[Path, Path | None]:
     """(train text, validation text or None = hold out the train text's tail)."""
     from scratchlm.cli import UserError
-    from scratchlm.paths import describe_search, shared_data_file
+    from scratchlm.paths import describe_search
 
     if data is not None:
         if not data.is_file():
             raise FileNotFoundError(f"--data {data}: no such file")
         return data, None
-    train = shared_data_file(DEFAULT_TRAIN)
-    if train is None:
-        raise UserError(f"no default corpus: {DEFAULT_TRAIN} not found (looked in: {describe_search()}); "
-                        "pass --data FILE, or run `scratchlm data download tinystories` first")
-    return train, shared_data_file(DEFAULT_VALID)
+    candidates = default_corpora()
+    for train, valid in candidates:
+        if train.is_file():
+            return train, valid if valid.is_file() else None
+    raise UserError(f"no default corpus: none of {', '.join(str(train) for train, _ in candidates)} exists (shared "
+                    f"data looked for in: {describe_search()}); pass --data FILE, or run "
+                    "`scratchlm data download tinystories` here first")
+
+
+def default_corpora() -> list[tuple[Path, Path]]:
+    """(train, valid) places of the default TinyStories, in order: the shared data folder's sample, then the
+    full files where `scratchlm data download tinystories` puts them (relative to the working directory)."""
+    from scratchlm.data.download import DEFAULT_OUT_DIR, TINYSTORIES_FILES
+    from scratchlm.paths import shared_data_dir
+
+    train, valid = TINYSTORIES_FILES
+    shared = shared_data_dir()
+    corpora = [] if shared is None else [(shared / SHARED_TRAIN, shared / SHARED_VALID)]
+    return corpora + [(DEFAULT_OUT_DIR / train, DEFAULT_OUT_DIR / valid)]
 
 
 def read_prefix(path: Path, max_bytes: int) -> str:
@@ -116,13 +132,16 @@ def read_prefix(path: Path, max_bytes: int) -> str:
 
 
 def split_holdout(text: str, fraction: float = HOLDOUT_FRACTION) -> tuple[str, str]:
-    """(train, valid): the text cut at the last document (else line) boundary before 1 - fraction of it.
+    """(train, valid): the text cut at the last document (else line) boundary shortly before 1 - fraction of it.
 
-    Cutting *before* that point keeps at least `fraction` of the text for validation, in whole documents.
+    Cutting *before* that point keeps at least `fraction` of the text for validation, in whole documents. Looking
+    back at most another `fraction` of the text caps validation below 2 x fraction: one early <|endoftext|> must
+    not turn most of a corpus into validation. With no boundary that close, the cut is at 1 - fraction itself.
     """
     start = int(len(text) * (1 - fraction))
+    earliest = max(0, start - int(len(text) * fraction))
     for boundary in (f"{EOT}\n", EOT, "\n"):
-        cut = text.rfind(boundary, 0, start)
+        cut = text.rfind(boundary, earliest, start)
         if cut > 0:
             cut += len(boundary)
             return text[:cut], text[cut:]
@@ -260,8 +279,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from scratchlm.tokenizer.train_bpe import train_bpe
 
     started = time.perf_counter()
-    if not args.minutes > 0:
-        raise UserError(f"--minutes must be positive, got {args.minutes}")
+    if not (math.isfinite(args.minutes) and args.minutes > 0):  # inf would overflow only after the tokenizer's work
+        raise UserError(f"--minutes must be a positive finite number, got {args.minutes}")
     paths = DemoPaths(args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     if paths.run.is_dir() and any(paths.run.iterdir()):
         raise UserError(f"{paths.run} already holds a run: choose another --out (or delete that folder)")

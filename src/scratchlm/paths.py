@@ -1,8 +1,10 @@
 """Where scratchlm finds the real corpora it trains and tests on.
 
 The shared data folder (TinyStories, OpenWebText sample, GPT-2 vocab/merges, fixtures) is never copied into
-the repository. It is found, in order, at ``$SCRATCHLM_DATA_DIR``, at ``../shared/data`` beside the current
-working directory's repository, and at ``../shared/data`` beside this source checkout.
+the repository. It is ``$SCRATCHLM_DATA_DIR`` when that is set (a folder that does not exist is an error, not a
+reason to look elsewhere); otherwise the first folder that exists of ``CWD/../shared/data`` (``shared/data``
+beside the working directory: beside the repository when run from its root) and ``CHECKOUT/../shared/data``
+(beside the source checkout this module was imported from).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def _candidates() -> list[Path]:
 
 
 def shared_data_dir() -> Path | None:
-    """The shared data folder, or None when none of the candidate locations exists."""
+    """The shared data folder, or None when none of the candidate locations exists (and the variable is unset)."""
+    if (env := os.environ.get(DATA_DIR_ENV)) and not Path(env).is_dir():  # a typo must not silently use other data
+        raise FileNotFoundError(f"{DATA_DIR_ENV}={env}: no such folder (point it at the shared data folder, or "
+                                "unset it to look beside the repository)")
     for candidate in _candidates():
         if candidate.is_dir():
             return candidate

@@ -1,7 +1,7 @@
 """`scratchlm data ACTION`: prepare training data.
 
-Each action is one small ``_register_<action>(actions)`` + handler pair below; adding an action (e.g.
-``download``) means writing one more pair and listing it in ``ACTIONS``.
+Each action is one small ``_register_<action>(actions)`` + handler pair, here (``encode``) or in the action's
+own module (``download``); adding an action means writing one more pair and listing it in ``ACTIONS``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from scratchlm.data.download import register_download
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("data", help="prepare training data: encode text into token files",
-                                   description="Prepare training data.")
+    parser = subparsers.add_parser("data", description="Prepare training data.",
+                                   help="prepare training data: download a corpus, encode text into token files")
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     for register_action in ACTIONS:
         register_action(actions)

@@ -8,13 +8,19 @@ Design:
   onto ``NAME``: a file with the final name is always complete.
 - Skip a file that is already present with the size the server announces; resume an interrupted download from
   ``NAME.part`` with an HTTP Range request (restarting from zero when the server ignores ranges).
-- Offline or unreachable servers give one clear error naming the URL, never a traceback.
+- A resume is tied to the version of the file the ``.part`` holds: its validator (strong ETag, else
+  Last-Modified) is kept in ``NAME.part.version`` and sent as ``If-Range``, so a server whose file changed sends
+  it whole instead of new bytes to append to old ones. A ``.part`` that is already complete (killed between the
+  fsync and the rename) gets HTTP 416 for its range and is renamed when the server's size is its size.
+- Offline or unreachable servers and transfers cut short give one clear error naming the URL, never a traceback.
 - A progress bar (tqdm) only on a terminal.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -48,25 +54,74 @@ def download_file(url: str, target: Path, *, progress: bool = True) -> Path:
     if target.exists() and remote_size is not None and target.stat().st_size == remote_size:
         return target
     partial = target.with_name(target.name + ".part")
-    offset = partial.stat().st_size if partial.exists() else 0
-    if remote_size is not None and offset > remote_size:  # a stale .part from another version of the file
-        offset = 0
-    request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-"} if offset else {})
     try:
-        with _open(request) as response:
-            if offset and response.status != 206:  # server ignored the range: start over
-                offset = 0
-            expected = _content_length(response)
-            total = offset + expected if expected is not None else remote_size
-            _stream(response, partial, offset, total, progress=progress and sys.stderr.isatty(), label=target.name)
-    except OSError as error:  # network errors while streaming (reset, timeout) keep the .part for resuming
+        _fetch(url, partial, remote_size, progress=progress and sys.stderr.isatty(), label=target.name)
+    except (OSError, http.client.HTTPException) as error:  # cut short (reset, timeout, incomplete chunk): keep .part
         raise DownloadError(f"download of {url} interrupted: {error}; rerun to resume from {partial}") from error
+    # The version file goes first: killed in between, the complete .part is still found complete (HTTP 416).
+    _version_file(partial).unlink(missing_ok=True)
+    os.replace(partial, target)
+    return target
+
+
+def _fetch(url: str, partial: Path, remote_size: int | None, *, progress: bool, label: str) -> None:
+    """Make ``partial`` a complete copy of ``url``: resume it when the server still has its version, else restart."""
+    offset = partial.stat().st_size if partial.exists() else 0
+    if remote_size is not None and offset > remote_size:  # a stale .part from a longer version of the file
+        offset = 0
+    request = urllib.request.Request(url, headers=_resume_headers(partial, offset))
+    try:
+        response = _open(request)
+    except DownloadError as error:
+        if not (offset and isinstance(error.__cause__, urllib.error.HTTPError) and error.__cause__.code == 416):
+            raise
+        # The range starts at or past the end of the server's (same-version) file: complete when the sizes agree.
+        if (_range_total(error.__cause__) or remote_size) != offset:
+            partial.unlink()
+            _fetch(url, partial, remote_size, progress=progress, label=label)
+        return
+    with response:
+        if offset and response.status != 206:  # the server ignored the range, or its file changed: start over
+            offset = 0
+        if not offset:
+            _record_version(_version_file(partial), response)
+        expected = _content_length(response)
+        total = offset + expected if expected is not None else remote_size
+        _stream(response, partial, offset, total, progress=progress, label=label)
     got = partial.stat().st_size
     if total is not None and got != total:
         raise DownloadError(f"download of {url} is truncated: got {got:,} of {total:,} bytes; "
                             f"rerun to resume from {partial}")
-    os.replace(partial, target)
-    return target
+
+
+def _version_file(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".version")
+
+
+def _resume_headers(partial: Path, offset: int) -> dict[str, str]:
+    """Range from ``offset``, with If-Range naming the .part's version when known (else resumed unchecked)."""
+    if not offset:
+        return {}
+    headers = {"Range": f"bytes={offset}-"}
+    if (version := _version_file(partial)).exists():
+        headers["If-Range"] = version.read_text(encoding="ascii")
+    return headers
+
+
+def _record_version(version: Path, response) -> None:
+    """Remember the version a fresh .part holds: a strong ETag, else Last-Modified (If-Range takes no weak ETag)."""
+    etag = response.headers.get("ETag")
+    validator = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
+    if validator:
+        version.write_text(validator, encoding="ascii")
+    else:
+        version.unlink(missing_ok=True)
+
+
+def _range_total(error: urllib.error.HTTPError) -> int | None:
+    """The file size from a 416 response's ``Content-Range: bytes */SIZE``, or None when it does not say."""
+    match = re.fullmatch(r"bytes \*/(\d+)", error.headers.get("Content-Range") or "")
+    return int(match.group(1)) if match else None
 
 
 def _open(request: urllib.request.Request):
@@ -75,10 +130,10 @@ def _open(request: urllib.request.Request):
         return urllib.request.urlopen(request, timeout=TIMEOUT_S)
     except urllib.error.HTTPError as error:
         raise DownloadError(f"cannot download {request.full_url}: HTTP {error.code} {error.reason}") from error
-    except (urllib.error.URLError, OSError) as error:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         reason = getattr(error, "reason", error)
-        raise DownloadError(f"cannot reach {request.full_url}: {reason} (offline? use --base-url for a mirror, "
-                            f"or --data to train on local text)") from error
+        raise DownloadError(f"cannot reach {request.full_url}: {reason} (offline? use --base-url for a mirror; "
+                            "`scratchlm demo --data FILE` trains on local text instead)") from error
 
 
 def _remote_size(url: str) -> int | None:
