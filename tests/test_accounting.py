@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import weakref
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from scratchlm.accounting.commands import accounting_report
 from scratchlm.accounting.memory import (
     activation_elements,
     estimate_memory,
@@ -18,6 +20,7 @@ from scratchlm.accounting.memory import (
     step_constant_bytes,
     time_to_train,
 )
+from scratchlm.accounting.op_study import time_interleaved
 from scratchlm.accounting.params_flops import count_params, forward_flops, training_step_flops
 from scratchlm.cli import main
 from scratchlm.model import ModelConfig, TransformerLM
@@ -53,6 +56,18 @@ def test_param_count_of_presets_on_meta_device(preset):
     config = ModelConfig.preset(preset)
     model = TransformerLM(config, device=torch.device("meta"))
     assert count_params(config).total == sum(p.numel() for p in model.parameters())
+
+
+def test_non_embedding_count_leaves_out_only_the_untied_input_embeddings():
+    """One definition for the model and the accounting report: ~17.6M for tinystories-17m, not 12.5M."""
+    for tie in (False, True):
+        cfg = ModelConfig.preset("tinystories-17m", tie_embeddings=tie)
+        model = TransformerLM(cfg, device="meta")
+        report = accounting_report(cfg, context=cfg.context_length, batch=1)
+        assert report["params"]["non_embedding"] == model.num_parameters(non_embedding=True)
+        assert report["params"]["total"] == model.num_parameters()
+    assert report["params"]["non_embedding"] == report["params"]["total"]  # tied: the table is the output layer
+    assert ModelConfig.preset("tinystories-17m").non_embedding_params(22_696_448) == 17_576_448
 
 
 def test_closed_formula_for_swiglu_4d():
@@ -180,6 +195,11 @@ def test_time_to_train():
         time_to_train(config, 1024, 1e9, peak_tflops=100, mfu=1.5)
     with pytest.raises(ValueError, match="either"):
         time_to_train(config, 1024, 1e9)
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="tokens must be a finite positive number"):
+            time_to_train(config, 1024, bad, tokens_per_second=1e5)
+        with pytest.raises(ValueError, match="tokens_per_second must be a finite positive number"):
+            time_to_train(config, 1024, 1e9, tokens_per_second=bad)
 
 
 def test_cli_table_and_json(capsys):
@@ -225,7 +245,16 @@ def test_bench_ops_runs_small_shape(capsys):
     study = json.loads(capsys.readouterr().out)
     assert [row["op"] for row in study["ours_vs_torch"]][:3] == ["Linear", "RMSNorm", "LayerNorm"]
     assert sum(row["flop_share"] for row in study["block"]) == pytest.approx(1.0)
+    block_ops = [row["op"] for row in study["block"]]  # as the model runs them: 3 projections, mask in QK^T
+    assert "Q, K, V projections" in block_ops and "QK^T + causal mask" in block_ops and "causal mask" not in block_ops
     norms = [row for row in study["block"] if "RMSNorm" in row["op"]]
     assert all(row["flop_share"] < 0.01 for row in norms)
     assert {row["ffn"] for row in study["ffn_variants"]} == {"SwiGLU", "ReLU FFN", "GELU FFN", "SiLU FFN"}
     assert main(["bench", "ops", "--heads", "3"]) == 1
+
+
+def test_bench_ops_help_states_the_warmup_that_time_interleaved_uses(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "ops", "--help"])
+    warmup = inspect.signature(time_interleaved).parameters["warmup"].default
+    assert f"after {warmup} warm-up round" in " ".join(capsys.readouterr().out.split())

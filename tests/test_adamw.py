@@ -135,10 +135,18 @@ def test_params_without_grad_get_no_state():
 @pytest.mark.parametrize("bad, match", [
     (dict(lr=-1.0), "learning rate"), (dict(betas=(1.0, 0.9)), "beta1"), (dict(betas=(0.9, -0.1)), "beta2"),
     (dict(eps=-1e-8), "eps"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(betas=(0.9,)), "betas must be a pair"), (dict(betas=(0.9, 0.99, 0.999)), "betas must be a pair"),
 ])
 def test_invalid_hyperparameters(bad, match):
     with pytest.raises(ValueError, match=match):
         AdamW(make_params(0), **bad)
+    params = make_params(0)
+    with pytest.raises(ValueError, match=match):  # a group's own value, in the constructor
+        AdamW([{"params": params[:1]}, {"params": params[1:], **bad}])
+    opt = AdamW(params[:1])
+    with pytest.raises(ValueError, match=match):  # or added later
+        opt.add_param_group({"params": params[1:], **bad})
+    assert len(opt.param_groups) == 1
 
 
 def test_param_groups_for_splits_matrices_from_vectors():

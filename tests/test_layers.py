@@ -126,6 +126,15 @@ def test_softmax_matches_torch_including_huge_logits(dim):
     assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("shape, dim", [((3, 0), -1), ((3, 0), 0), ((0, 4), 0), ((2, 0, 5), 1)])
+def test_softmax_of_empty_inputs_is_empty_like_torch(shape, dim):
+    x = torch.randn(shape, requires_grad=True)
+    y = softmax(x, dim)
+    assert_close(y, torch.softmax(x, dim))
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=1, max_size=20), st.floats(-1e3, 1e3))
 def test_softmax_sums_to_one_and_ignores_shifts(values, shift):
@@ -163,13 +172,20 @@ def test_sdpa_gradients_match_torch_for_any_chunking(monkeypatch, chunk_elements
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("b, t_q, t_k", [(0, 4, 4), (2, 0, 4)])
+@pytest.mark.parametrize("b, t_q, t_k", [(0, 4, 4), (2, 0, 4), (2, 0, 0), (2, 3, 0)])
 def test_sdpa_of_empty_inputs_has_the_right_shape(b, t_q, t_k):
     Q, K, V = torch.randn(b, t_q, 8, requires_grad=True), torch.randn(b, t_k, 8), torch.randn(b, t_k, 5)
     out = scaled_dot_product_attention(Q, K, V)
     assert out.shape == (b, t_q, 5)
     out.sum().backward()
     assert Q.grad.shape == Q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_sdpa_refuses_a_mask_that_is_not_bool(dtype):
+    Q = K = V = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match=f"attention mask must be a bool tensor.*got dtype {dtype}"):
+        scaled_dot_product_attention(Q, K, V, torch.ones(4, 4).tril().to(dtype))
 
 
 def test_sdpa_fully_masked_row_returns_zeros_and_finite_grads():

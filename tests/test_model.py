@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -62,12 +63,77 @@ def test_bad_inputs_raise_clear_value_errors():
         model(torch.tensor([[-1, 2]]))
     with pytest.raises(ValueError, match=r"\(batch, seq\) integer tensor"):
         model(torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"\(batch, seq\) integer tensor"):
+    with pytest.raises(ValueError, match="in_indices must be an int64 or int32 tensor"):
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="attention_mask must be a bool tensor"):
         model(torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="token_positions must lie in"):
         model(torch.zeros(1, 4, dtype=torch.long), token_positions=torch.tensor([0, 1, 2, 40]))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16])
+def test_token_ids_of_a_dtype_that_cannot_index_rows_are_refused(dtype):
+    """uint8 ids would index as a boolean mask and wrap when compared with the vocabulary size 256."""
+    model = _model()
+    with pytest.raises(ValueError, match=rf"in_indices must be an int64 or int32 tensor .*\.long\(\).*{dtype}"):
+        model(torch.tensor([[1, 255, 3]]).to(dtype))
+    with pytest.raises(ValueError, match="token ids must be an int64 or int32 tensor"):
+        model.token_embeddings(torch.tensor([1, 0]).to(dtype))
+    ids = torch.tensor([[1, 255, 3]])
+    assert_close(model(ids.int()), model(ids))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_length_sequence_gives_empty_logits(fused):
+    model = _model()
+    model.set_fused_sdpa(fused)
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    assert model(empty).shape == (2, 0, TINY.vocab_size)
+    assert model(empty, attention_mask=torch.ones(2, 0, dtype=torch.bool)).shape == (2, 0, TINY.vocab_size)
+    cache = KVCache.for_model(model, batch_size=2)
+    ids = torch.randint(0, TINY.vocab_size, (2, 5))
+    with torch.no_grad():
+        assert model(empty, kv_cache=cache).shape == (2, 0, TINY.vocab_size)
+        model(ids[:, :3], kv_cache=cache)
+        assert model(empty, kv_cache=cache).shape == (2, 0, TINY.vocab_size)
+        assert cache.length == 3
+        assert_close(model(ids[:, 3:], kv_cache=cache), model(ids)[:, 3:], atol=1e-5, rtol=1e-5)
+
+
+def test_token_positions_of_wrong_dtype_or_shape_are_refused():
+    model = _model()
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="token_positions must be an int64 or int32 tensor"):
+        model(ids, token_positions=torch.arange(5.0))
+    for shape in ((3, 5), (2, 1, 5), (2, 4)):
+        with pytest.raises(ValueError, match=rf"= \(2, 5\), got {re.escape(str(shape))}"):
+            model(ids, token_positions=torch.zeros(shape, dtype=torch.long))
+    positions = torch.arange(5)
+    expected = model(ids, token_positions=positions)
+    for shaped in (positions[None], positions.expand(2, 5), positions.int()):
+        assert_close(model(ids, token_positions=shaped), expected)
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(config=ModelConfig.preset("tiny", num_layers=1)), "layers 1 (model: 2)"),
+    (dict(config=ModelConfig.preset("tiny", num_heads=2)), "heads 2 (model: 4), head_dim 32 (model: 16)"),
+    (dict(config=TINY, dtype=torch.float64), "dtype torch.float64 (model: torch.float32)"),
+])
+def test_kv_cache_built_for_another_model_is_refused(other, message):
+    model = _model()
+    cache = KVCache.for_model(TransformerLM(**other), batch_size=2)
+    with pytest.raises(ValueError, match=f"KV cache was built for another model: {re.escape(message)}"):
+        model(torch.zeros(2, 3, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 0
+
+
+def test_config_rejects_bad_d_ff_norm_eps_rope_theta_and_tie():
+    for field, bad in [("d_ff", 40.0), ("d_ff", True), ("d_ff", 0), ("norm_eps", -1e-5), ("norm_eps", float("nan")),
+                       ("norm_eps", float("inf")), ("rope_theta", float("nan")), ("rope_theta", float("inf")),
+                       ("rope_theta", 0.0), ("rope_theta", "1e4"), ("tie_embeddings", "false")]:
+        with pytest.raises(ValueError, match=f"model.{field} must be .*got {re.escape(repr(bad))}"):
+            ModelConfig.preset("tiny", **{field: bad})
+    assert ModelConfig.preset("tiny", norm_eps=0.0, rope_theta=500).rope_theta == 500
 
 
 def test_check_inputs_off_skips_the_value_range_check():

@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ops.add_argument("--context", type=int, default=256, help="sequence length (default 256)")
     ops.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     ops.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
-    ops.add_argument("--repeats", type=int, default=10, help="timed repetitions per op, after 2 warm-ups")
+    ops.add_argument("--repeats", type=int, default=10, help="timed rounds per op, after 1 warm-up round (default 10)")
     ops.add_argument("--threads", type=int, help="torch threads (default: torch's choice; 1 is steadier on a busy box)")
     ops.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ops.set_defaults(func=run_bench_ops_command)
@@ -87,7 +87,8 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
     estimate = estimate_memory(config, context, batch, dtype, activation_model)
     report: dict[str, Any] = {
         "model": config.to_dict(), "context": context, "batch": batch, "dtype": dtype,
-        "params": {**params.by_component(), "total": params.total, "non_embedding": params.non_embedding},
+        "params": {**params.by_component(), "total": params.total,
+                   "non_embedding": config.non_embedding_params(params.total)},
         "forward_flops": {**flops.by_component(), "total": flops.total},
         "forward_flop_shares": flops.shares(),
         "training_step_flops": {"forward": step.forward, "backward": step.backward, "optimizer": step.optimizer,
@@ -140,7 +141,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'parameters':<20}{'count':>14}{'share':>9}"]
     for name in ("embeddings", "attention", "ffn", "norms", "final_norm", "lm_head"):
         lines.append(f"  {name:<18}{params[name]:>14,}{params[name] / params['total']:>9.2%}")
-    lines += [f"  {'total':<18}{params['total']:>14,}  ({_human(params['total'])})", "",
+    lines += [f"  {'total':<18}{params['total']:>14,}  ({_human(params['total'])})",
+              f"  {'non-embedding':<18}{params['non_embedding']:>14,}  (total less the untied input embeddings)", "",
               f"{'forward FLOPs':<20}{'FLOPs':>14}{'share':>9}"]
     for name, share in shares.items():
         lines.append(f"  {name:<18}{_human(flops[name]):>14}{share:>9.2%}")

@@ -105,8 +105,7 @@ def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
                 final_td=1 + 2 * norm, final_t=norm, logits_tv=1, logits_t=2)
 
 
-def step_constant_bytes(config: ModelConfig, context: int, dtype: str = "fp32",
-                        model: str = "scratchlm") -> dict[str, int]:
+def step_constant_bytes(config: ModelConfig, context: int, model: str = "scratchlm") -> dict[str, int]:
     """Activations that do not grow with the batch (ours only): the RoPE rotations the complex multiply keeps
     (a complex64 slice of each layer's table buffer, T·d_head/2 · 8 bytes, shared by Q and K; the per-parameter
     static count leaves buffers out). The causal mask is the QKᵀ baddbmm's bias input, which autograd does not
@@ -175,7 +174,7 @@ def estimate_memory(config: ModelConfig, context: int, batch: int, dtype: str = 
         dtype=dtype, batch=batch, context=context, activation_model=activation_model,
         parameters=4 * params.total, gradients=4 * params.total, optimizer_state=8 * params.total,
         autocast_weights=2 * matmul_weights if dtype == "bf16" else 0,
-        step_constant=step_constant_bytes(config, context, dtype, activation_model),
+        step_constant=step_constant_bytes(config, context, activation_model),
         activations={name: batch * value for name, value in per_sequence.items()},
     )
 
@@ -206,14 +205,14 @@ def training_flops_per_token(config: ModelConfig, context: int) -> float:
 def time_to_train(config: ModelConfig, context: int, tokens: float, *, tokens_per_second: float | None = None,
                   peak_tflops: float | None = None, mfu: float | None = None) -> TrainingTime:
     """Wall time for `tokens` training tokens, at a measured throughput or at peak TFLOP/s × MFU."""
-    if tokens <= 0:
-        raise ValueError(f"tokens must be positive, got {tokens}")
+    if not 0 < tokens < math.inf:  # also refuses nan
+        raise ValueError(f"tokens must be a finite positive number, got {tokens}")
     if tokens_per_second is None:
         if peak_tflops is None or mfu is None:
             raise ValueError("give either tokens_per_second or both peak_tflops and mfu")
         if peak_tflops <= 0 or not 0 < mfu <= 1:
             raise ValueError(f"need peak_tflops > 0 and 0 < mfu <= 1, got {peak_tflops} and {mfu}")
         tokens_per_second = peak_tflops * 1e12 * mfu / training_flops_per_token(config, context)
-    if tokens_per_second <= 0 or math.isnan(tokens_per_second):
-        raise ValueError(f"tokens_per_second must be positive, got {tokens_per_second}")
+    if not 0 < tokens_per_second < math.inf:  # also refuses nan
+        raise ValueError(f"tokens_per_second must be a finite positive number, got {tokens_per_second}")
     return TrainingTime(tokens=tokens, tokens_per_second=tokens_per_second, seconds=tokens / tokens_per_second)

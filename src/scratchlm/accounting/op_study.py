@@ -4,7 +4,8 @@ Three tables, all forward passes at one (batch, context, d_model) shape, timed i
 contender runs once per round, so drift in machine load hits all alike) and reported as medians:
 1. ours vs torch: Linear / nn.Linear, RMSNorm / nn.RMSNorm, LayerNorm / nn.LayerNorm, softmax / torch.softmax
    on (B, h, T, T) scores, silu / F.silu, our causal SDPA / F.scaled_dot_product_attention.
-2. one pre-norm SwiGLU block, op by op: share of FLOPs vs share of wall time. Matmuls cost 2mnk; elementwise ops
+2. one pre-norm SwiGLU block, op by op as the model runs them (three Q/K/V projections, the causal mask added
+   inside the QKᵀ baddbmm): share of FLOPs vs share of wall time. Matmuls cost 2mnk; elementwise ops
    are charged a documented per-element count (ELEMENTWISE_FLOPS), so the norms show as <0.1% of FLOPs while
    taking a visible share of the time (they are memory-bound: a few FLOPs per byte moved).
 3. FFN variants at matched parameter count: SwiGLU (d_ff ≈ 8/3·d, 3 matrices) vs ReLU / GELU / SiLU FFNs
@@ -90,17 +91,23 @@ def ours_vs_torch(cfg: OpStudyConfig) -> list[dict]:
 
 
 def block_breakdown(cfg: OpStudyConfig) -> list[dict]:
-    """Each op of one pre-norm SwiGLU block (our code): its FLOPs and median time, and both as shares."""
+    """Each op of one pre-norm SwiGLU block, as model/ calls it: its FLOPs and median time, and both as shares.
+
+    The attention core is timed op by op over all (B·h, T, T) scores at once. On CPU the model walks the same
+    ops in cache-sized chunks (attention._ChunkedAttention), and its softmax runs in place on the scores, so
+    there the core costs less than its rows here add up to.
+    """
     B, T, d, h = cfg.batch, cfg.context, cfg.d_model, cfg.num_heads
     f, d_k = swiglu_hidden_size(d), d // h
     x = torch.randn(B, T, d)  # (B, T, d)
-    norm, w_qkv, w_out = RMSNorm(d), Linear(d, 3 * d), Linear(d, d)
+    norm, w_q, w_k, w_v, w_out = RMSNorm(d), Linear(d, d), Linear(d, d), Linear(d, d), Linear(d, d)
     w1, w2, w3 = Linear(d, f), Linear(f, d), Linear(d, f)
     rope = RotaryPositionalEmbedding(10_000.0, d_k, T)
-    positions = torch.arange(T)
+    q, k, v = (torch.randn(B * h, T, d_k) for _ in range(3))  # (B·h, T, d_k)
+    keys_t = k.transpose(1, 2)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    q, k, v = (torch.randn(B, h, T, d_k) for _ in range(3))  # (B, h, T, d_k)
-    scores = q @ k.transpose(-2, -1)  # (B, h, T, T)
+    bias = torch.zeros(T, T).masked_fill_(~causal, float("-inf")).expand(B * h, T, T)  # 0 or -inf, as attention.py
+    scores = torch.baddbmm(bias, q, keys_t, alpha=d_k**-0.5)  # (B·h, T, T)
     probs = softmax(scores, -1)
     heads = torch.randn(B, T, d)
     gate, up = torch.randn(B, T, f), torch.randn(B, T, f)
@@ -108,12 +115,12 @@ def block_breakdown(cfg: OpStudyConfig) -> list[dict]:
     tokens, elem = B * T, ELEMENTWISE_FLOPS
     ops: dict[str, tuple[Callable[[], object], int]] = {
         "ln1 (RMSNorm)": (lambda: norm(x), elem["norm"] * tokens * d),
-        "QKV projection": (lambda: w_qkv(x), 2 * tokens * d * 3 * d),
-        "RoPE (Q and K)": (lambda: (rope(q, positions), rope(k, positions)), 2 * elem["rope"] * tokens * d),
-        "QK^T": (lambda: q @ k.transpose(-2, -1), 2 * B * h * T * T * d_k),
-        "causal mask": (lambda: scores.masked_fill(~causal, float("-inf")), elem["mask"] * B * h * T * T),
+        "Q, K, V projections": (lambda: (w_q(x), w_k(x), w_v(x)), 3 * 2 * tokens * d * d),
+        "RoPE (Q and K)": (lambda: (rope(q), rope(k)), 2 * elem["rope"] * tokens * d),
+        "QK^T + causal mask": (lambda: torch.baddbmm(bias, q, keys_t, alpha=d_k**-0.5),
+                               2 * B * h * T * T * d_k + elem["mask"] * B * h * T * T),
         "softmax": (lambda: softmax(scores, -1), elem["softmax"] * B * h * T * T),
-        "probs @ V": (lambda: probs @ v, 2 * B * h * T * T * d_k),
+        "probs @ V": (lambda: torch.bmm(probs, v), 2 * B * h * T * T * d_k),
         "output projection": (lambda: w_out(heads), 2 * tokens * d * d),
         "residual adds (2)": (lambda: (x + heads, x + heads), 2 * elem["residual"] * tokens * d),
         "ln2 (RMSNorm)": (lambda: norm(x), elem["norm"] * tokens * d),

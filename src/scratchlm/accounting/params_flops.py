@@ -55,11 +55,6 @@ class ParamCounts:
     def total(self) -> int:
         return sum(asdict(self).values())
 
-    @property
-    def non_embedding(self) -> int:
-        """Parameters outside the embedding and LM head tables (the count scaling laws use)."""
-        return self.total - self.embeddings - self.lm_head
-
     def by_component(self) -> dict[str, int]:
         return asdict(self)
 

@@ -49,6 +49,8 @@ def _additive_mask(mask: torch.Tensor | None, batch: list[int], T_q: int, T_k: i
     None without a mask."""
     if mask is None:
         return None
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attention mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
     bias = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
     return bias.expand(*batch, T_q, T_k).reshape(math.prod(batch), T_q, T_k)
 
@@ -112,7 +114,10 @@ def _attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 def _softmax_rows_(scores: torch.Tensor, masked: bool) -> torch.Tensor:
     """Softmax over the last dim, in place. A fully masked row (masked=True) gives zeros, not NaN: its max is
-    clamped to a finite value (exp gives 0, not exp(-inf + inf)) and its sum of 0 away from 0."""
+    clamped to a finite value (exp gives 0, not exp(-inf + inf)) and its sum of 0 away from 0. No keys at all
+    (an empty sequence) leaves the empty scores as they are: amax of an empty dim raises."""
+    if not scores.shape[-1]:
+        return scores
     row_max = scores.amax(dim=-1, keepdim=True)
     if masked:
         row_max.clamp_(min=torch.finfo(scores.dtype).min)

@@ -8,6 +8,7 @@ model code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,11 @@ NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "nope")
 FFNS = ("swiglu", "silu")
+
+
+def _is_finite_number(value: Any) -> bool:
+    """A real int or float, not bool (True would pass as 1), nan or inf."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def swiglu_hidden_size(d_model: int, multiple_of: int = 64) -> int:
@@ -41,9 +47,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+            self._check_positive_int(name)
         if self.d_model % self.num_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
         if self.position == "rope" and self.head_dim % 2:
@@ -54,14 +58,28 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.d_ff is None:
             self.d_ff = swiglu_hidden_size(self.d_model) if self.ffn == "swiglu" else 4 * self.d_model
-        if self.d_ff <= 0:
-            raise ValueError(f"model.d_ff must be positive, got {self.d_ff}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        self._check_positive_int("d_ff")
+        if not _is_finite_number(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not _is_finite_number(self.norm_eps) or self.norm_eps < 0:
+            raise ValueError(f"model.norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+
+    def _check_positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    def non_embedding_params(self, total: int) -> int:
+        """`total` parameters less the input token-embedding table (V·d): the one non-embedding count, used by
+        `TransformerLM.num_parameters` and the accounting report. A table tied to lm_head is the output layer
+        too and stays counted; an untied lm_head always counts (it is a matmul of every forward pass)."""
+        return total if self.tie_embeddings else total - self.vocab_size * self.d_model
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,7 +105,7 @@ _GPT2 = dict(vocab_size=50_257, context_length=1024)
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough that a forward+backward takes milliseconds on a CPU: used by the tests.
     "tiny": dict(vocab_size=256, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=128),
-    # The CS336 assignment-1 TinyStories model (~17M non-embedding parameters).
+    # The CS336 assignment-1 TinyStories model (17.6M non-embedding parameters, 22.7M in all).
     "tinystories-17m": dict(vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16,
                             d_ff=1344, rope_theta=10_000.0),
     # GPT-2 shapes with this architecture (SwiGLU with d_ff = 4·d as in the CS336 accounting exercise).

@@ -2,7 +2,7 @@
 
 Design: one (B, H, T_max, d_k) key buffer and one value buffer per layer, allocated once; `length` is how many
 positions are filled (shared by all rows of the batch). Each attention layer writes its new keys/values at
-[length, length + T) through `update`; the model calls `advance(T)` once after all layers ran.
+[length, length + T) through `update`; the model calls `advance(T, attention_mask)` once after all layers ran.
 
 Batches of prompts with different lengths use LEFT padding, so every row has the same `length`. The cache
 keeps a (B, T_max) bool `key_padding` (True = real token) and, per row, the next RoPE position
@@ -31,10 +31,19 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> KVCache:
         """A cache sized for `model` (a TransformerLM), on its device and in its dtype."""
-        cfg = model.config
-        weight = model.token_embeddings.weight
-        return cls(cfg.num_layers, batch_size, cfg.num_heads, max_seq_len or cfg.context_length, cfg.head_dim,
-                   device=weight.device, dtype=weight.dtype)
+        layers, heads, head_dim, dtype, device = _layout(model)
+        return cls(layers, batch_size, heads, max_seq_len or model.config.context_length, head_dim, device=device,
+                   dtype=dtype)
+
+    def check_model(self, model) -> None:
+        """A clear error when the cache was built for another model (layers, heads, head size, dtype, device)."""
+        keys, expected = self.keys[0], _layout(model)
+        found = (len(self.keys), keys.shape[1], keys.shape[3], keys.dtype, keys.device)
+        if found != expected:
+            wrong = [f"{name} {have} (model: {want})" for name, have, want in zip(_LAYOUT, found, expected)
+                     if have != want]
+            raise ValueError(f"KV cache was built for another model: {', '.join(wrong)}; build it with "
+                             f"KVCache.for_model(model, batch_size)")
 
     @property
     def batch_size(self) -> int:
@@ -76,3 +85,12 @@ class KVCache:
         self.key_padding.fill_(True)
         self.next_position.zero_()
         self.has_padding = False
+
+
+_LAYOUT = ("layers", "heads", "head_dim", "dtype", "device")
+
+
+def _layout(model) -> tuple:
+    """What a cache for `model` (a TransformerLM) must match, in the order of _LAYOUT."""
+    cfg, weight = model.config, model.token_embeddings.weight
+    return cfg.num_layers, cfg.num_heads, cfg.head_dim, weight.dtype, weight.device

@@ -66,8 +66,20 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+# The dtypes torch indexes rows with. uint8 would be taken as a boolean mask (`weight[ids]` selects the rows
+# where ids != 0), and its comparisons against a vocabulary size of 256 wrap around; int8/int16 are refused by
+# torch's indexing with a less helpful message.
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_index_dtype(name: str, tensor: torch.Tensor) -> None:
+    """A clear error unless `tensor` can index rows (int64 or int32): O(1), no device sync."""
+    if tensor.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be an int64 or int32 tensor (convert with .long()), got dtype {tensor.dtype}")
+
+
 class Embedding(nn.Module):
-    """Lookup table (num_embeddings, embedding_dim), init N(0, 1) truncated at ±3."""
+    """Lookup table (num_embeddings, embedding_dim), init N(0, 1) truncated at ±3; ids are int64 or int32."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -76,6 +88,7 @@ class Embedding(nn.Module):
         _trunc_normal_(self.weight, 1.0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        check_index_dtype("token ids", token_ids)
         return self.weight[token_ids]  # (...) -> (..., embedding_dim)
 
     def extra_repr(self) -> str:
@@ -146,8 +159,9 @@ class _Softmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        # Subtracting the row max makes exp() overflow-free (largest term is exp(0) = 1).
-        y = (x - x.amax(dim=dim, keepdim=True)).exp_()
+        # Subtracting the row max makes exp() overflow-free (largest term is exp(0) = 1). An empty `dim` has no
+        # max (amax raises) and gives an empty result, as torch.softmax does.
+        y = (x - x.amax(dim=dim, keepdim=True) if x.shape[dim] else x.clone()).exp_()
         y /= y.sum(dim=dim, keepdim=True)
         ctx.dim = dim
         ctx.save_for_backward(y)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.layers import Embedding, Linear, make_norm, silu
+from scratchlm.model.layers import Embedding, Linear, check_index_dtype, make_norm, silu
 
 
 class SwiGLU(nn.Module):
@@ -129,22 +129,29 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.ln_final(x))  # (B, T, vocab_size), T = 1 with last_only
 
     def _validate(self, in_indices, token_positions, attention_mask, kv_cache) -> None:
-        """Shape checks always (free); value-range checks only when `check_inputs` (they sync on GPU)."""
+        """Shape, dtype and KV-cache checks always (O(1), no sync); value ranges only when `check_inputs` (they
+        sync on GPU)."""
         cfg = self.config
-        if in_indices.dim() != 2 or in_indices.dtype.is_floating_point or in_indices.dtype == torch.bool:
-            raise ValueError(f"in_indices must be a (batch, seq) integer tensor, got shape "
-                             f"{tuple(in_indices.shape)} dtype {in_indices.dtype}")
+        if in_indices.dim() != 2:
+            raise ValueError(f"in_indices must be a (batch, seq) integer tensor, got shape {tuple(in_indices.shape)}")
+        check_index_dtype("in_indices", in_indices)
+        batch, seq = in_indices.shape
+        if kv_cache is not None:
+            kv_cache.check_model(self)
         past = kv_cache.length if kv_cache is not None else 0
-        if past + in_indices.shape[1] > cfg.context_length:
-            raise ValueError(f"sequence length {past + in_indices.shape[1]} (cached {past} + new "
-                             f"{in_indices.shape[1]}) exceeds context_length {cfg.context_length}")
+        if past + seq > cfg.context_length:
+            raise ValueError(f"sequence length {past + seq} (cached {past} + new {seq}) exceeds context_length "
+                             f"{cfg.context_length}")
         if attention_mask is not None and (attention_mask.shape != in_indices.shape
                                            or attention_mask.dtype != torch.bool):
             raise ValueError(f"attention_mask must be a bool tensor shaped like in_indices "
                              f"{tuple(in_indices.shape)}, got {tuple(attention_mask.shape)} {attention_mask.dtype}")
-        if token_positions is not None and token_positions.shape[-1] != in_indices.shape[1]:
-            raise ValueError(f"token_positions must end with the sequence length {in_indices.shape[1]}, got "
-                             f"shape {tuple(token_positions.shape)}")
+        if token_positions is not None:
+            check_index_dtype("token_positions", token_positions)
+            shape = tuple(token_positions.shape)
+            if shape not in ((seq,), (1, seq), (batch, seq)):
+                raise ValueError(f"token_positions must be shaped (seq,), (1, seq) or (batch, seq) = ({batch}, {seq}), "
+                                 f"got {shape}")
         if not self.check_inputs:
             return
         if in_indices.numel() and (in_indices.min() < 0 or in_indices.max() >= cfg.vocab_size):
@@ -161,9 +168,6 @@ class TransformerLM(nn.Module):
             layer.attn.use_fused_sdpa = enabled
 
     def num_parameters(self, non_embedding: bool = False) -> int:
-        """Parameter count (a tied matrix counted once). non_embedding=True leaves out the input embedding
-        table, unless it is tied to lm_head (then it is the output layer and stays counted)."""
+        """Parameter count (a tied matrix counted once); non_embedding=True: `ModelConfig.non_embedding_params`."""
         total = sum(p.numel() for p in self.parameters())
-        if non_embedding and not self.config.tie_embeddings:
-            total -= self.token_embeddings.weight.numel()
-        return total
+        return self.config.non_embedding_params(total) if non_embedding else total

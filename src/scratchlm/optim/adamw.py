@@ -31,9 +31,13 @@ import torch
 from torch import nn
 
 
-def _validate(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def _validate(group: dict[str, Any]) -> None:
+    """Checks the hyperparameters of the defaults and of every param group (also those added later)."""
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not lr >= 0.0:
         raise ValueError(f"AdamW: invalid learning rate {lr!r} (must be >= 0)")
+    if len(betas) != 2:
+        raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"AdamW: invalid beta{index + 1} {beta!r} (must be in [0, 1))")
@@ -49,10 +53,14 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  foreach: bool | None = None) -> None:
-        _validate(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
-        super().__init__(params, defaults)
+        _validate(defaults)
+        super().__init__(params, defaults)  # calls add_param_group for each group
         self._denominators: dict[torch.Tensor, torch.Tensor] = {}  # param -> reusable buffer (foreach path)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _validate({**self.defaults, **param_group})  # before the group is added: a refused group leaves no trace
+        super().add_param_group(param_group)
 
     def _gather(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], ...]:
         """Params that have gradients, with their grads and state (state created lazily on first use)."""
