@@ -1,13 +1,15 @@
 """Forward+backward speed and training-step memory of TransformerLM against Hugging Face LlamaForCausalLM.
 
-Same config, same weights (mapped by scratchlm.compat.hf), fp32, 2 threads. The contenders are timed in
-alternation (benchmarks/harness.py) and reported as medians with the time ratio (wall clock, plus process
-CPU time per step, which stays meaningful when other jobs share the cores):
+Same config, same weights (ours, seeded once, mapped by scratchlm.compat.hf and saved once as safetensors that
+each contender loads; their logits are checked equal), fp32, 2 threads; HF runs with use_cache=False. The
+contenders are timed in alternation (benchmarks/harness.py) and reported as medians with the time ratio (wall
+clock, plus process CPU time per step, which stays meaningful when other jobs share the cores):
 - ours (from-scratch attention, the default) vs Llama with eager attention (target: ratio <= 1.0),
 - ours vs Llama with SDPA attention (target: within 10%),
 - optionally ours under torch.compile (`--compile`).
 Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
-transformers imports included alike; model + a few forward/backward steps), measured by harness.run_measured.
+transformers imports included alike; its one model built and loaded from the saved weights + a few
+forward/backward steps), measured by harness.run_measured.
 
     .venv/bin/python benchmarks/bench_model.py            # tinystories-17m 8x256 and tiny, + memory
     .venv/bin/python benchmarks/bench_model.py --quick    # fewer repeats
@@ -19,11 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleave, interleave_commands, python_command, report  # noqa: E402
@@ -33,36 +38,64 @@ from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 CONTENDERS = ("ours", "llama-eager", "llama-sdpa")
 
 
-def build(name: str, cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
-    """One contender; the Llama models get our weights, so all three compute the same function."""
+def save_weights(preset: str, root: Path, seed: int = 0) -> Path:
+    """Seeded random weights of ours, saved once under both naming schemes (so each contender only loads its file);
+    returns their folder."""
+    cfg = ModelConfig.preset(preset)
     torch.manual_seed(seed)
-    ours = TransformerLM(cfg)
-    if name == "ours":
-        return ours
-    from transformers import LlamaForCausalLM
+    state = TransformerLM(cfg).state_dict()
+    folder = root / preset
+    folder.mkdir()
+    save_file(state, folder / "ours.safetensors")
+    save_file(to_hf_state_dict(state, cfg), folder / "llama.safetensors")
+    return folder
 
+
+def build(name: str, cfg: ModelConfig, folder: Path) -> torch.nn.Module:
+    """One contender, and only it, loaded with the weights in `folder` (save_weights), so all compute one function."""
+    if name == "ours":
+        model = TransformerLM(cfg)
+        model.load_state_dict(load_file(folder / "ours.safetensors"))
+        return model
     hf_cfg = to_hf_llama_config(cfg)
     hf_cfg._attn_implementation = name.removeprefix("llama-")
-    hf = LlamaForCausalLM(hf_cfg)
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=not cfg.tie_embeddings)
-    return hf
+    model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(load_file(folder / "llama.safetensors"), strict=not cfg.tie_embeddings)
+    return model
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, LlamaForCausalLM):
+        # use_cache defaults to True even in training: it would build a DynamicCache (a torch.cat of K and V in
+        # every layer) that nothing reads.
+        return model(input_ids=ids, use_cache=False).logits
+    return model(ids)
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """Forward, next-token cross-entropy, backward; gradients dropped afterwards."""
-    out = model(ids[:, :-1])
-    logits = out if isinstance(out, torch.Tensor) else out.logits
+    logits = logits_of(model, ids[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
     for p in model.parameters():
         p.grad = None
 
 
-def bench_speed(preset: str, batch: int, seq: int, repeats: int, with_compile: bool) -> None:
+def check_same_function(models: dict[str, torch.nn.Module], ids: torch.Tensor) -> None:
+    """All contenders give the same logits, up to fp32 summation order (their attention kernels differ)."""
+    with torch.no_grad():
+        logits = {name: logits_of(model, ids) for name, model in models.items()}
+    for name, value in logits.items():
+        worst = (value - logits["ours"]).abs().max().item()
+        assert worst < 1e-4, f"{name}: logits differ from ours by up to {worst:.1e}, so it is not the same function"
+
+
+def bench_speed(preset: str, batch: int, seq: int, repeats: int, with_compile: bool, folder: Path) -> None:
     cfg = ModelConfig.preset(preset)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-    models = {name: build(name, cfg).train() for name in CONTENDERS}
+    models = {name: build(name, cfg, folder).train() for name in CONTENDERS}
+    check_same_function(models, ids[:, :-1])
     if with_compile:
-        compiled = torch.compile(build("ours", cfg).train())
+        compiled = torch.compile(build("ours", cfg, folder).train())
         start = time.perf_counter()
         train_step(compiled, ids)
         print(f"torch.compile(ours) first step (compile) took {time.perf_counter() - start:.1f} s")
@@ -92,17 +125,20 @@ def report_cpu_time(title: str, cpu_seconds: dict[str, list[float]]) -> None:
         print(f"{name}: {seconds:.3f} s  (ours/{name} = {medians['ours'] / seconds:.2f})")
 
 
-def child_snippet(name: str, preset: str, batch: int, seq: int) -> str:
-    return (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
-            f"import transformers, bench_model as b; torch.set_num_threads(2); "
-            f"from scratchlm.model import ModelConfig; cfg = ModelConfig.preset({preset!r}); "
-            f"m = b.build({name!r}, cfg).train(); ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq + 1})); "
-            f"[b.train_step(m, ids) for _ in range(3)]")
+# Every child, the baseline too, imports this module (torch, transformers' Llama, safetensors, scratchlm).
+CHILD_IMPORTS = (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 f"import bench_model as b; torch.set_num_threads(2); ")
 
 
-def bench_memory(preset: str, batch: int, seq: int, repeats: int) -> None:
-    commands = {name: python_command(child_snippet(name, preset, batch, seq)) for name in CONTENDERS}
-    commands["baseline (imports only)"] = python_command("import torch, transformers, scratchlm.model")
+def child_snippet(name: str, preset: str, batch: int, seq: int, folder: Path) -> str:
+    return CHILD_IMPORTS + (
+        f"cfg = b.ModelConfig.preset({preset!r}); m = b.build({name!r}, cfg, b.Path({str(folder)!r})).train(); "
+        f"ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq + 1})); [b.train_step(m, ids) for _ in range(3)]")
+
+
+def bench_memory(preset: str, batch: int, seq: int, repeats: int, folder: Path) -> None:
+    commands = {name: python_command(child_snippet(name, preset, batch, seq, folder)) for name in CONTENDERS}
+    commands["baseline (imports only)"] = python_command(CHILD_IMPORTS)
     results = interleave_commands(commands, repeats)
     title = f"{preset} training-step peak RSS, batch {batch} x {seq}, one subprocess per run"
     report(title + " — vs Llama eager", results, "ours", "llama-eager")
@@ -118,10 +154,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else 5
-    bench_speed("tinystories-17m", 8, 256, repeats, args.compile)
-    bench_speed("tiny", 8, 32, repeats * 5, with_compile=False)
-    if not args.quick:
-        bench_memory("tinystories-17m", 8, 256, repeats=2)
+    with tempfile.TemporaryDirectory() as root:
+        weights = {preset: save_weights(preset, Path(root)) for preset in ("tinystories-17m", "tiny")}
+        bench_speed("tinystories-17m", 8, 256, repeats, args.compile, weights["tinystories-17m"])
+        bench_speed("tiny", 8, 32, repeats * 5, with_compile=False, folder=weights["tiny"])
+        if not args.quick:
+            bench_memory("tinystories-17m", 8, 256, repeats=2, folder=weights["tinystories-17m"])
 
 
 if __name__ == "__main__":

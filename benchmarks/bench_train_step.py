@@ -2,8 +2,8 @@
 trainer's own per-step overhead (data loading from a memmap, the sync-free bookkeeping, amortized logging).
 
 Ours: ``scratchlm.train.step.train_step`` exactly as the trainer runs it (our attention, our AdamW foreach,
-our clipping). Rivals: ``LlamaForCausalLM`` with eager attention and with SDPA, built from the SAME random
-weights through scratchlm.compat.hf, trained with ``torch.optim.AdamW(foreach=True)`` (same decay groups),
+our clipping). Rivals: ``LlamaForCausalLM`` with eager attention and with SDPA (use_cache=False), built from the
+SAME random weights through scratchlm.compat.hf, trained with ``torch.optim.AdamW(foreach=True)`` (same decay groups),
 ``F.cross_entropy`` and ``clip_grad_norm_``. tinystories-17m, fp32, batch 8 x 256, 2 threads, interleaved.
 Targets: time ratio ours/eager <= 1.0; data loading + logging < 2% of our step time.
 
@@ -55,7 +55,9 @@ def hf_step(config: RunConfig, ours: torch.nn.Module, batch, attention: str):
     inputs, targets = batch
 
     def step():
-        logits = model(input_ids=inputs).logits  # (B, T, V)
+        # use_cache defaults to True even in training: it would build a DynamicCache (a torch.cat of K and V in
+        # every layer) that nothing reads.
+        logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)

@@ -1,7 +1,11 @@
 """GPU training throughput: tokens/s, MFU and peak memory of the real training step on one CUDA device.
 
 Usage: ``python benchmarks/gpu_throughput.py --out gpu_results/gpu_throughput.json [--quick]`` (writes the JSON and
-a Markdown table beside it, ``.md``). Without CUDA it says so and exits 0. Not named bench_*: it needs a GPU.
+a Markdown table beside it, ``.md``). Without CUDA it says so in one line and exits 0. Not named bench_*: it needs
+a GPU. Both files are written as results come, so a run killed part-way (a timeout) keeps every finished shape:
+the ``.md`` header first and one row appended per shape, the JSON rewritten (atomically) after each shape with
+``"complete": false`` until the last. A shape that raises (out of memory, say) gets an error row, the next shape
+still runs, and the exit status is 1.
 
 What is timed: ``step.train_step`` (forward, backward, global-norm clipping, our AdamW) exactly as the trainer
 runs it, with the one-GPU fast path switched on: bf16 autocast (fp32 master weights), TF32 matmuls,
@@ -97,18 +101,33 @@ def verdict(row: dict) -> str:
     return f"{'PASS' if row[metric] >= target else 'MISS'} ({metric} >= {target:g})"
 
 
+def markdown_header(report: dict) -> str:
+    return "\n".join([
+        f"# GPU throughput ({report['date']})", "",
+        f"Device: {report['device']}; torch {report['torch']}; bf16 autocast + TF32 + torch.compile + fused "
+        f"attention; peak bf16 {report['peak_tflops']} TFLOP/s.", "",
+        "| shape | batch x context | params | step ms | tokens/s | TFLOP/s | MFU | peak mem GiB | target |",
+        "|---|---|---|---|---|---|---|---|---|"]) + "\n"
+
+
+def markdown_row(row: dict) -> str:
+    if "error" in row:
+        return f"| {row['preset']} | {row['batch_size']} x ? | - | - | - | - | - | - | ERROR: {row['error']} |\n"
+    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    return (f"| {row['preset']} | {row['batch_size']} x {row['context_length']} | "
+            f"{row['parameters'] / 1e6:.1f}M | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
+            f"{row['tflops']:.1f} | {mfu} | {row['peak_memory_gib']:.2f} | {verdict(row)} |\n")
+
+
 def markdown(report: dict) -> str:
-    lines = [f"# GPU throughput ({report['date']})", "",
-             f"Device: {report['device']}; torch {report['torch']}; bf16 autocast + TF32 + torch.compile + fused "
-             f"attention; peak bf16 {report['peak_tflops']} TFLOP/s.", "",
-             "| shape | batch x context | params | step ms | tokens/s | TFLOP/s | MFU | peak mem GiB | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in report["results"]:
-        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
-        lines.append(f"| {row['preset']} | {row['batch_size']} x {row['context_length']} | "
-                     f"{row['parameters'] / 1e6:.1f}M | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
-                     f"{row['tflops']:.1f} | {mfu} | {row['peak_memory_gib']:.2f} | {verdict(row)} |")
-    return "\n".join(lines) + "\n"
+    return markdown_header(report) + "".join(markdown_row(row) for row in report["results"])
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Replace ``path`` atomically: a kill mid-write leaves the previous (shorter) report, never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,20 +145,36 @@ def main(argv: list[str] | None = None) -> int:
     seconds = 5.0 if args.quick else args.seconds
     name = torch.cuda.get_device_name()
     peak = device_peak_flops(name, "bf16")
-    results = []
-    for shape in SHAPES:
-        row = measure(shape, args.warmup_steps, seconds)
-        results.append(row)
-        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        print(f"{row['preset']}: {row['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak "
-              f"{row['peak_memory_gib']:.2f} GiB -> {verdict(row)}", flush=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": name,
-              "torch": torch.__version__, "peak_tflops": peak / 1e12 if peak else None, "results": results}
+              "torch": torch.__version__, "peak_tflops": peak / 1e12 if peak else None, "complete": False,
+              "results": []}
+    md = args.out.with_suffix(".md")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(report))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
-    return 0
+    md.write_text(markdown_header(report))
+    write_json(args.out, report)
+    failed = False
+    for shape in SHAPES:
+        try:
+            row = measure(shape, args.warmup_steps, seconds)
+        except Exception as exc:  # noqa: BLE001 - one shape's failure (OOM, compile error) must not lose the other
+            failed = True
+            row = {"preset": shape.preset, "batch_size": shape.batch_size,
+                   "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200].replace("|", "/")}
+            print(f"{shape.preset}: FAILED: {row['error']}", flush=True)
+        else:
+            mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+            print(f"{row['preset']}: {row['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak "
+                  f"{row['peak_memory_gib']:.2f} GiB -> {verdict(row)}", flush=True)
+        finally:
+            torch.cuda.empty_cache()
+        report["results"].append(row)
+        with md.open("a") as f:
+            f.write(markdown_row(row))
+        write_json(args.out, report)
+    report["complete"] = True
+    write_json(args.out, report)
+    print(f"wrote {args.out} and {md}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Shared machinery for side-by-side benchmarks: ours and the rival in the same run, interleaved.
 
-Every benchmark times each contender in alternation (ours, rival, ours, rival, ...) so that drift in the
-machine's load hits both alike, then reports medians and the ratio. Memory is the peak RSS of the whole
-process tree (a contender that forks workers is charged for all of them), sampled by a thread.
+Every benchmark times each contender in alternation, the order reversed every other round (ours, rival |
+rival, ours | ours, rival | ..., ABBA), so that drift in the machine's load hits both alike and neither always
+runs first (after a cold start) or second (after the other warmed caches, or left garbage to collect), then
+reports medians and the ratio. Memory is the peak RSS of the whole process tree (a contender that forks
+workers is charged for all of them), sampled by a thread.
 """
 
 from __future__ import annotations
@@ -35,11 +37,24 @@ class Result:
         return max(self.peak_rss_mb) if self.peak_rss_mb else None
 
 
-def interleave(contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, Result]:
-    """Time in-process callables in alternation; returns per-contender wall times (seconds)."""
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The contenders in the order of round ``round_index``: as given in even rounds, reversed in odd (ABBA)."""
+    return names if round_index % 2 == 0 else names[::-1]
+
+
+def interleave(contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, *,
+               setup: dict[str, Callable[[], object]] | None = None) -> dict[str, Result]:
+    """Time in-process callables in alternation (ABBA order); returns per-contender wall times (seconds).
+
+    ``setup[name]``, where given, runs untimed before each call of that contender (say, to reset a cache).
+    """
     results = {name: Result(name) for name in contenders}
+    setup = setup or {}
     for round_index in range(warmup + repeats):
-        for name, fn in contenders.items():
+        for name in round_order(list(contenders), round_index):
+            fn = contenders[name]
+            if name in setup:
+                setup[name]()
             start = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - start
@@ -93,15 +108,15 @@ def run_measured(argv: list[str], interval: float = 0.01) -> tuple[float, float,
 
 
 def interleave_commands(commands: dict[str, list[str]], repeats: int) -> dict[str, Result]:
-    """Run whole commands in alternation: timed runs, then one run each for the peak RSS of its process tree.
+    """Run whole commands in alternation (ABBA order): timed runs, then one run each for the peak RSS of its tree.
 
     Memory is sampled in runs of its own because the sampler walks the process table every few milliseconds:
     on 2 cores that steals time from a contender with 2 busy processes, not from a single-threaded one.
     """
     results = {name: Result(name) for name in commands}
-    for _ in range(repeats):
-        for name, argv in commands.items():
-            results[name].seconds.append(run_timed(argv))
+    for round_index in range(repeats):
+        for name in round_order(list(commands), round_index):
+            results[name].seconds.append(run_timed(commands[name]))
     for name, argv in commands.items():
         results[name].peak_rss_mb.append(run_measured(argv)[1])
     return results

@@ -9,8 +9,10 @@
 #
 #   bash scripts/run_study.sh           # the study; reports in docs/study/{lr,batch,ablations}/
 #   bash scripts/run_study.sh --smoke   # every step of it with 4-step runs, in runs/study-smoke/ (a check)
+# It runs scripts/setup_venv.sh first, so a clean checkout needs nothing else (but the TinyStories text).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh  # ./.venv with scratchlm (a few seconds when it is already there)
 # One PyTorch thread: as fast within ~1.5x on an idle 2-core machine, and several times faster than two when
 # other processes compete for the cores (threads then wait on each other). Set OMP_NUM_THREADS to override.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -93,7 +95,15 @@ train batch-64 "$BASE" --set data.batch_size=64 --set train.max_steps=75 --set t
 # 4. Ablations, each the baseline plus one preset's diff.
 ABLATIONS=(no-rmsnorm post-norm nope silu-ffn tied-embeddings)
 for name in "${ABLATIONS[@]}"; do
-  mapfile -t overrides < <(ablation_overrides "configs/ablations/$name.toml")
+  # A plain assignment, so that set -e stops the study when the helper fails (the exit status of a process
+  # substitution, `mapfile < <(...)`, is never checked: a failed ablation would silently train the baseline).
+  out=$(ablation_overrides "configs/ablations/$name.toml")
+  if [[ -z $out ]]; then
+    echo "run_study.sh: configs/ablations/$name.toml changes no [model] key;" \
+         "refusing to train a copy of the baseline" >&2
+    exit 1
+  fi
+  mapfile -t overrides <<<"$out"
   train "ablation-$name" "$BASE" "${overrides[@]}"
 done
 
