@@ -41,6 +41,17 @@ def test_gradient_matches_torch():
     torch.testing.assert_close(ours, theirs)
 
 
+def test_gradient_scales_with_the_upstream_gradient_and_survives_huge_logits():
+    logits = (torch.randn(5, 11, dtype=torch.float64) * torch.tensor([1.0, 1e4])[torch.arange(5) % 2, None])
+    logits.requires_grad_(True)
+    targets = torch.randint(0, 11, (5,))
+    upstream = torch.tensor(0.37, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(cross_entropy(logits, targets), logits, grad_outputs=upstream)
+    (theirs,) = torch.autograd.grad(oracle(logits, targets), logits, grad_outputs=upstream)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, theirs)
+
+
 def test_bfloat16_logits_are_upcast():
     logits = torch.randn(8, 1000).to(torch.bfloat16)
     targets = torch.randint(0, 1000, (8,))
