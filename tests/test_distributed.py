@@ -282,7 +282,7 @@ def test_resume_world_1_at_world_2_with_torchrun(data, tmp_path):
     run = tmp_path / "run"
     assert cli_main(["train", *train_args(data, run, steps=2), "--quiet"]) == 0
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
-               "-m", "scratchlm.train", *train_args(data, run, steps=4), "--resume"]
+               "-m", "scratchlm.train", *train_args(data, run, 4, "train.device=auto"), "--resume"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -290,3 +290,5 @@ def test_resume_world_1_at_world_2_with_torchrun(data, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in metrics(run))
     assert "finished 4 steps" in done.stderr and done.stderr.count("finished 4 steps") == 1  # rank 0 only
     assert (run / "checkpoints" / "step_0000004").is_dir()
+    # The setting as given, not rank 0's device: a rank's cuda:N would be refused when resuming under torchrun.
+    assert 'device = "auto"' in (run / "config.toml").read_text()

@@ -29,7 +29,7 @@ from scratchlm.model import TransformerLM
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.metrics import MetricsLogger, truncate_records
 from scratchlm.train.setup import build_optimizer
-from scratchlm.train.step import train_step
+from scratchlm.train.step import DivergenceWatch, train_step
 from scratchlm.train.trainer import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -218,6 +218,12 @@ def test_max_loss_counts_as_divergence(data, tmp_path: Path):
     result = train(tiny_config(data, tmp_path / "run", "train.max_loss=1.0"), quiet=True)
     assert result.status == "diverged"
     assert "diverged at step 1: loss=5.7" in result.message and "train.max_loss = 1.0" in result.message
+
+
+def test_a_bad_grad_norm_under_max_loss_does_not_blame_max_loss():
+    watch = DivergenceWatch(torch.device("cpu"), max_loss=10.0)
+    watch.update(3, torch.tensor(2.5), torch.tensor(float("inf")))
+    assert watch.check() == "diverged at step 3: loss=2.5, grad_norm=inf"
 
 
 def test_cli_train_runs_and_refuses_to_overwrite(data, tmp_path: Path):

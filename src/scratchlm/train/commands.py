@@ -73,7 +73,7 @@ def run_train(args: argparse.Namespace) -> int:
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
-        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap)
+        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device)
     if result.status != "finished":
         print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
     elif not quiet:

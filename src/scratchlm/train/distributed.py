@@ -25,7 +25,6 @@ What this file does (the trainer stays single-process code; torchrun supplies th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,10 +46,11 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 class Launch:
     """What the trainer needs from a (possibly) distributed start."""
 
-    config: RunConfig  # train.device set to this rank's device
+    config: RunConfig  # as the user gave it (saved in the run's config.toml, so a resume reads it back)
     wrap: Callable[[nn.Module, RunConfig], nn.Module]
     rank: int = 0
     world_size: int = 1
+    device: torch.device | None = None  # this rank's device under torchrun; None: train.device decides
 
     @property
     def is_main(self) -> bool:
@@ -131,8 +131,8 @@ def launch(config: RunConfig, parallel: str = "ddp") -> Iterator[Launch]:
     device = setup(config.train.device)
     clean = False
     try:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=str(device)))
-        yield Launch(config=config, wrap=wrap_fn(parallel), rank=dist.get_rank(), world_size=dist.get_world_size())
+        yield Launch(config=config, wrap=wrap_fn(parallel), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                     device=device)
         clean = True
     finally:
         teardown(clean=clean)

@@ -72,12 +72,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
 def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: torch.device,
              max_batches: int | None = None) -> float:
     """Mean loss per token over the fixed validation sample (the first ``max_batches`` batches, or all)."""
-    total, count = torch.zeros((), device=device, dtype=torch.float64), 0
+    # The sum stays on the device (no sync per batch), in float64 where the device has it (MPS does not).
+    total_dtype = torch.float32 if device.type == "mps" else torch.float64
+    total, count = torch.zeros((), device=device, dtype=total_dtype), 0
     for inputs, targets in validation_batches(tokens, config.micro_batch_size, config.model.context_length,
                                               device, max_batches=max_batches):
         with autocast(device, config.train.dtype):
             logits = model(inputs)  # (b, T, V)
-        total += cross_entropy(logits.float(), targets).double() * targets.numel()
+        total += cross_entropy(logits.float(), targets).to(total_dtype) * targets.numel()
         count += targets.numel()
     return (total / count).item()
 
@@ -103,5 +105,6 @@ class DivergenceWatch:
         if step < 0:
             return None
         loss, norm = self.values.tolist()
-        limit = f" (train.max_loss = {self.max_loss})" if self.max_loss is not None and math.isfinite(loss) else ""
+        too_large = self.max_loss is not None and math.isfinite(loss) and loss > self.max_loss
+        limit = f" (train.max_loss = {self.max_loss})" if too_large else ""
         return f"diverged at step {step}: loss={loss:g}, grad_norm={norm:g}{limit}"

@@ -120,13 +120,19 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 
 
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
-          wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model) -> TrainResult:
-    """Train ``config`` to ``train.max_steps`` (or divergence, or a stop signal); see the module docstring."""
+          wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
+          device: torch.device | None = None) -> TrainResult:
+    """Train ``config`` to ``train.max_steps`` (or divergence, or a stop signal); see the module docstring.
+
+    ``device`` (a torchrun rank's GPU, from ``distributed.launch``) overrides train.device, which stays as given
+    in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
+    """
     from scratchlm.train.checkpoint import CheckpointManager
 
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
-    run_dir, device = Path(config.train.run_dir), select_device(config.train.device)
+    run_dir = Path(config.train.run_dir)
+    device = device or select_device(config.train.device)
     set_matmul_precision(device, config.train.tf32)
     if is_main_process:
         prepare_run_dir(run_dir, resume)
