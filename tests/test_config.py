@@ -101,6 +101,7 @@ def test_bad_overrides(base: Path, override: str, message: str):
     ("[model]\npreset = \"huge\"", "unknown model preset 'huge'"),
     ("[data]\nbatch_size = 0", "data.batch_size must be positive"),
     ("[train]\nseed = -1", "train.seed must be >= 0, got -1"),
+    ("[optim]\nwarmup_iters = 0\ncosine_cycle_iters = 0", "optim.cosine_cycle_iters must be >= 1 (or none"),
     ("optim = 3", "config section [optim] must be a table"),
     ("[train\n", "invalid TOML"),
 ])

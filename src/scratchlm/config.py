@@ -115,6 +115,8 @@ class RunConfig:
         _require(self.optim.warmup_iters <= steps,
                  f"optim.warmup_iters ({self.optim.warmup_iters}) must not exceed train.max_steps ({steps})")
         cycle = self.optim.cosine_cycle_iters
+        _require(cycle is None or cycle >= 1,
+                 f"optim.cosine_cycle_iters must be >= 1 (or none: the whole run), got {cycle}")
         _require(cycle is None or cycle >= self.optim.warmup_iters,
                  f"optim.cosine_cycle_iters ({cycle}) must not be below optim.warmup_iters ({self.optim.warmup_iters})")
         _require(self.data.batch_size % self.train.grad_accum_steps == 0,

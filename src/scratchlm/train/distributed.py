@@ -83,6 +83,8 @@ def setup(device: str = "auto") -> torch.device:
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("train.device = 'cuda' but CUDA is not available on this host; use auto or cpu (gloo)")
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK {local_rank} but this host has {torch.cuda.device_count()} CUDA "
                              f"device(s): --nproc-per-node must not exceed the GPU count")

@@ -30,9 +30,12 @@ from scratchlm.train.loss import cross_entropy
 
 
 def learning_rate(step: int, config: RunConfig) -> float:
-    """Warm-up then cosine decay to min_lr over the run (or over optim.cosine_cycle_iters when set)."""
+    """Warm-up then cosine decay to min_lr at step ``cosine_cycle_iters`` (default: train.max_steps).
+
+    Steps run from 0 to max_steps - 1 (the CS336 convention), so with the default cycle the last step trains just
+    above min_lr, and step 0 of a warm-up trains at lr 0."""
     optim = config.optim
-    cycle = optim.cosine_cycle_iters or config.train.max_steps
+    cycle = config.train.max_steps if optim.cosine_cycle_iters is None else optim.cosine_cycle_iters
     return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
 
 
