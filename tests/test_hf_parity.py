@@ -114,3 +114,28 @@ def test_missing_tensors_are_named():
     del sd["layers.1.ffn.w2.weight"]
     with pytest.raises(ValueError, match=r"lacks 1 expected tensors, e.g. \['layers.1.ffn.w2.weight'\]"):
         to_hf_state_dict(sd, cfg)
+
+
+def test_logits_match_llama_on_left_padded_rows_extreme_ids_and_random_norm_gains():
+    """Adversarial inputs against HF: norm gains far from 1 (a swapped or missing norm mapping shows), ids 0 and
+    V-1, and a left-padded batch, where each row's real tokens are numbered 0, 1, ... (HF's generate does the same
+    through position_ids from the mask; a plain HF forward needs them given)."""
+    cfg = CONFIGS["8-heads-theta-500"]
+    torch.manual_seed(3)
+    ours = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        for name, parameter in ours.named_parameters():
+            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                parameter.copy_(torch.empty_like(parameter).uniform_(0.2, 3.0))
+    hf = _load_into_hf(ours)
+    ids = torch.randint(0, cfg.vocab_size, (3, 24))
+    ids[0, :4] = 0
+    ids[1, -4:] = cfg.vocab_size - 1
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :7] = False  # left padding
+    mask[2, :23] = False  # a single real token
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ours_logits = ours(ids, attention_mask=mask)
+        hf_logits = hf(ids, attention_mask=mask.long(), position_ids=positions).logits
+    assert_close(ours_logits[mask], hf_logits[mask], atol=2e-5, rtol=1e-4)
