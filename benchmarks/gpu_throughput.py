@@ -119,10 +119,6 @@ def markdown_row(row: dict) -> str:
             f"{row['tflops']:.1f} | {mfu} | {row['peak_memory_gib']:.2f} | {verdict(row)} |\n")
 
 
-def markdown(report: dict) -> str:
-    return markdown_header(report) + "".join(markdown_row(row) for row in report["results"])
-
-
 def write_json(path: Path, report: dict) -> None:
     """Replace ``path`` atomically: a kill mid-write leaves the previous (shorter) report, never half a file."""
     tmp = path.with_name(path.name + ".tmp")

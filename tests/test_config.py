@@ -98,6 +98,7 @@ def test_bad_overrides(base: Path, override: str, message: str):
     ("[optim]\nmin_lr = 1.0\nlr = 0.1", "optim.min_lr must be in [0, optim.lr=0.1]"),
     ("[train]\ndtype = \"fp16\"", "train.dtype must be one of ('fp32', 'bf16')"),
     ("[train]\ndevice = \"gpu\"", "train.device must be auto, cpu, mps, cuda or cuda:N"),
+    ("[train]\ndevice = \"cpu\\n\"", "train.device must be auto, cpu, mps, cuda or cuda:N"),
     ("[model]\npreset = \"huge\"", "unknown model preset 'huge'"),
     ("[data]\nbatch_size = 0", "data.batch_size must be positive"),
     ("[train]\nseed = -1", "train.seed must be >= 0, got -1"),

@@ -130,6 +130,7 @@ def test_zero_new_tokens(model):
     (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
     (dict(vocab_limit=0), r"vocab_limit must be an integer in \[1, 256\]"),
     (dict(vocab_limit=257), r"vocab_limit must be an integer in \[1, 256\].*got 257"),
+    (dict(vocab_limit=True), r"vocab_limit must be an integer in \[1, 256\].*got True"),
 ])
 def test_bad_arguments_are_clear_errors_at_call_time(model, kwargs, message):
     arguments = dict(prompt_ids=[1, 2], max_new_tokens=3) | kwargs

@@ -131,3 +131,7 @@ def test_close_twice_is_harmless_and_a_failed_close_leaves_no_temporary(tmp_path
     with pytest.raises(OSError, match="No space left"), TokenFileWriter(tmp_path / "u.tok", vocab_size=10) as writer:
         writer.write([3])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tok"]
+    aborted = TokenFileWriter(tmp_path / "v.tok", vocab_size=10)
+    aborted.abort()
+    with pytest.raises(ValueError, match=r"v\.tok was aborted or failed: nothing was written"):
+        aborted.close()

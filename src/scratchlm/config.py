@@ -94,7 +94,7 @@ class TrainConfig:
         _require(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.parallel in PARALLEL, f"train.parallel must be one of {PARALLEL}, got {self.parallel!r}")
-        _require(bool(DEVICE_PATTERN.match(self.device)),
+        _require(bool(DEVICE_PATTERN.fullmatch(self.device)),  # fullmatch: $ alone would let "cpu\n" through
                  f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")
 

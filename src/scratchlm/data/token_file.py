@@ -68,6 +68,7 @@ class TokenFileWriter:
         self.dtype = token_dtype(vocab_size)
         self.tokenizer_hash = _hash_bytes(tokenizer_hash)
         self.num_tokens = 0
+        self._written = False  # the file is in place at path (a second close then does nothing)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"cannot write token file {self.path}: folder {self.path.parent} does not exist")
         if self.path.is_dir():
@@ -95,9 +96,12 @@ class TokenFileWriter:
     def close(self) -> Path:
         """Write the header, fsync (when durable) and move the file into place; returns its path.
 
-        A failure on the way removes the temporary file; closing again does nothing."""
-        if self._file.closed:
+        A failure on the way removes the temporary file; closing again after success does nothing, after an abort
+        or a failed close it is an error (nothing was written)."""
+        if self._written:
             return self.path
+        if self._file.closed:
+            raise ValueError(f"token file writer for {self.path} was aborted or failed: nothing was written")
         try:
             self._file.seek(0)
             self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
@@ -111,6 +115,7 @@ class TokenFileWriter:
         except BaseException:
             self.abort()
             raise
+        self._written = True
         return self.path
 
     def abort(self) -> None:

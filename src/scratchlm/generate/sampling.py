@@ -179,7 +179,7 @@ def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k:
 
 
 def _check_vocab_limit(vocab_limit: int | None, vocab_size: int) -> None:
-    if vocab_limit is not None and (not isinstance(vocab_limit, int) or not 1 <= vocab_limit <= vocab_size):
+    if vocab_limit is not None and (type(vocab_limit) is not int or not 1 <= vocab_limit <= vocab_size):
         raise ValueError(f"vocab_limit must be an integer in [1, {vocab_size}] (the model's vocab_size) or None, "
                          f"got {vocab_limit!r}")
 
