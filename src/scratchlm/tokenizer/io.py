@@ -75,6 +75,20 @@ def _from_gpt2_string(text: str, where: str) -> bytes:
         raise ValueError(f"{where}: character {bad!r} in {text!r} is not in GPT-2's byte table") from None
 
 
+def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
+    """bytes -> id; where two ids share bytes the smaller id wins (a deterministic choice)."""
+    if not all(type(token_id) is int and token_id >= 0 for token_id in vocab):
+        bad = next(i for i in vocab if type(i) is not int or i < 0)
+        raise ValueError(f"vocab ids must be non-negative integers, got {bad!r}")
+    inverse: dict[bytes, int] = {}
+    for token_id in sorted(vocab, reverse=True):
+        token = vocab[token_id]
+        if not isinstance(token, bytes):
+            raise ValueError(f"vocab entries must be int -> bytes, got {token_id!r} -> {token!r}")
+        inverse[token] = token_id
+    return inverse
+
+
 # ---------------------------------------------------------------------------------------------- reading
 def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]:
     """(vocab, merges, special tokens) from a tokenizer directory: ``tokenizer.json`` first, else GPT-2 files."""
@@ -263,8 +277,9 @@ def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, spe
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / TOKENIZER_FILE, _scratchlm_json(vocab, merges, special_tokens))
-    if len(set(vocab.values())) < len(vocab):
+    ids = invert_vocab(vocab)
+    _write_atomic(directory / TOKENIZER_FILE, _scratchlm_json(vocab, ids, merges, special_tokens))
+    if len(ids) < len(vocab):  # some ids share bytes
         for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
             (directory / name).unlink(missing_ok=True)
         warnings.warn(f"{directory}: no {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} written: GPT-2's format cannot hold "
@@ -277,11 +292,9 @@ def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, spe
     return directory
 
 
-def _scratchlm_json(vocab: Vocab, merges: Merges, special_tokens: list[str]) -> str:
-    """tokenizer.json (version 2) with one vocab entry and one merge per line (json.dumps has no such layout)."""
-    ids = {}
-    for token_id in sorted(vocab, reverse=True):  # bytes -> id; a repeated token gets its smallest id
-        ids[vocab[token_id]] = token_id
+def _scratchlm_json(vocab: Vocab, ids: dict[bytes, int], merges: Merges, special_tokens: list[str]) -> str:
+    """tokenizer.json (version 2) with one vocab entry and one merge per line (json.dumps has no such layout);
+    ``ids`` is ``invert_vocab(vocab)``: a merge's parts are written as their (smallest) ids."""
     missing = next((part for pair in merges for part in pair if part not in ids), None)
     if missing is not None:
         raise ValueError(f"cannot write merges that use {missing!r}, which is not in the vocab")

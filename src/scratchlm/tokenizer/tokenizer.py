@@ -17,6 +17,7 @@ from itertools import chain
 from pathlib import Path
 
 from scratchlm.tokenizer.cached_bpe import CachedBPE
+from scratchlm.tokenizer.io import invert_vocab
 from scratchlm.tokenizer.merge import merge_table
 from scratchlm.tokenizer.pretokenize import (
     last_space_boundary,
@@ -39,7 +40,7 @@ class Tokenizer:
         self.vocab: dict[int, bytes] = dict(vocab)
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_tokens: list[str] = validate_special_tokens(special_tokens)
-        self._bytes_to_id = _invert_vocab(self.vocab)
+        self._bytes_to_id = invert_vocab(self.vocab)
         self._byte_ids = _single_byte_ids(self._bytes_to_id)
         self._special_ids = self._add_special_tokens()
         self._special_regex = special_token_regex(self.special_tokens)
@@ -274,20 +275,6 @@ def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:
         return token_id in vocab
     except TypeError:  # unhashable
         return False
-
-
-def _invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
-    """bytes -> id; where two ids share bytes the smaller id wins (a deterministic choice)."""
-    if not all(type(token_id) is int and token_id >= 0 for token_id in vocab):
-        bad = next(i for i in vocab if type(i) is not int or i < 0)
-        raise ValueError(f"vocab ids must be non-negative integers, got {bad!r}")
-    inverse: dict[bytes, int] = {}
-    for token_id in sorted(vocab, reverse=True):
-        token = vocab[token_id]
-        if not isinstance(token, bytes):
-            raise ValueError(f"vocab entries must be int -> bytes, got {token_id!r} -> {token!r}")
-        inverse[token] = token_id
-    return inverse
 
 
 def _check_text(text: object) -> None:
