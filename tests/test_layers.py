@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.testing import assert_close
 
-from scratchlm.model import attention
+from scratchlm.model import attention, packed_matmul
 from scratchlm.model.attention import RotaryPositionalEmbedding, scaled_dot_product_attention
-from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, silu, softmax
+from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, packed_for_decoding, silu, softmax
+
+needs_onednn = pytest.mark.skipif(not packed_matmul.available(), reason="this torch has no oneDNN packed-linear ops")
 
 
 def test_linear_matches_nn_linear_over_leading_dims():
@@ -41,6 +43,53 @@ def test_linear_few_and_many_rows_match_nn_linear_with_gradients(rows, dtype, d_
     assert_close(y, ref(x))
     grad = torch.randn_like(y)
     assert_close(torch.autograd.grad(y, (x, ours.weight), grad), torch.autograd.grad(ref(x), (x, ref.weight), grad))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [(3,), (8,), (2, 5), (4, 1, 16)])
+@pytest.mark.parametrize("d_in,d_out", [(24, 40), (40, 24)])
+def test_packed_linear_matches_nn_linear_in_inference(rows, d_in, d_out):
+    ours = Linear(d_in, d_out)
+    x = torch.randn(*rows, d_in)
+    with packed_for_decoding(ours, rows=8), torch.inference_mode():
+        assert ours.packed is not None
+        assert_close(ours(x), F.linear(x, ours.weight))
+    assert ours.packed is None
+
+
+@needs_onednn
+def test_packed_weight_is_used_only_where_it_helps_and_while_current(monkeypatch):
+    """>= 3 rows, no autograd, the weight unchanged since packing; otherwise the plain paths, with exact results."""
+    layer = Linear(16, 24)
+    used = []
+    real = packed_matmul.linear
+    monkeypatch.setattr(packed_matmul, "linear", lambda x, packed: used.append(x.shape[:-1]) or real(x, packed))
+    with packed_for_decoding(layer, rows=8):
+        with torch.no_grad():
+            for rows in (1, 2, 3):
+                layer(torch.randn(rows, 16))
+        assert used == [(3,)]
+        layer(torch.randn(8, 16, requires_grad=True)).sum().backward()  # training: not packed
+        with torch.no_grad():
+            layer.weight.mul_(2)  # an in-place change makes the pack stale
+            x = torch.randn(8, 16)
+            assert_close(layer(x), F.linear(x, layer.weight))
+        assert used == [(3,)]
+
+
+@needs_onednn
+def test_packing_is_skipped_where_it_cannot_help_and_nests():
+    layer, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
+    model = nn.ModuleList([layer, half])
+    with packed_for_decoding(model, rows=2):  # 1-2 rows are faster unpacked
+        assert layer.packed is None
+    with packed_for_decoding(model, rows=8):
+        assert layer.packed is not None and half.packed is None
+        outer = layer.packed
+        with packed_for_decoding(model, rows=8):
+            assert layer.packed is outer
+        assert layer.packed is outer  # the inner block leaves the outer block's packs
+    assert layer.packed is None
 
 
 def test_linear_init_is_truncated_normal_with_xavier_std():

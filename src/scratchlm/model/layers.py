@@ -15,9 +15,13 @@ inputs. Design choices:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from scratchlm.model import packed_matmul
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -41,9 +45,14 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+        # (weight version, oneDNN-packed weight) while `packed_for_decoding` is on; used only while the weight
+        # is unchanged since it was packed.
+        self.packed: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self._use_packed(x, rows):
+            return packed_matmul.linear(x, self.packed[1])
         if not self._faster_as_w_xt(x, rows):
             return x @ self.weight.t()  # (..., in) @ (in, out) -> (..., out)
         flat = x.reshape(rows, self.in_features)
@@ -62,8 +71,31 @@ class Linear(nn.Module):
             return False
         return rows == 1 or self.in_features <= self.out_features
 
+    def _use_packed(self, x: torch.Tensor, rows: int) -> bool:
+        return (self.packed is not None and rows >= packed_matmul.MIN_ROWS and x.dtype == torch.float32
+                and not torch.is_grad_enabled() and self.packed[0] == self.weight._version)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+@contextmanager
+def packed_for_decoding(model: nn.Module, rows: int) -> Iterator[None]:
+    """Within the block, the model's Linear layers multiply inputs of >= 3 rows (decoding `rows` sequences at
+    once) by oneDNN-packed copies of their weights, when that helps: float32 weights on CPU, a torch with oneDNN
+    (see model/packed_matmul.py). The copies are dropped on exit. Layers already packed by an enclosing block are
+    left to it."""
+    layers = [layer for layer in model.modules() if isinstance(layer, Linear) and layer.packed is None
+              and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
+    if rows < packed_matmul.MIN_ROWS or not layers or not packed_matmul.available():
+        layers = []
+    for layer in layers:
+        layer.packed = (layer.weight._version, packed_matmul.pack(layer.weight))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.packed = None
 
 
 # The dtypes torch indexes rows with. uint8 would be taken as a boolean mask (`weight[ids]` selects the rows
