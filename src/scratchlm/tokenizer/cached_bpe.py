@@ -34,7 +34,7 @@ _MAX_CACHED_CHARS = 64
 # _BATCH_MIN_MISS_RATE of its first _BATCH_SAMPLE words misses the word cache.
 _BATCH_MIN_WORDS = 2048
 _BATCH_SAMPLE = 256
-_BATCH_MIN_MISS_RATE = 8
+_BATCH_MIN_MISS_RATE = 32  # OWT valid after OWT train misses ~1 in 9: 1.2x faster learned together
 
 
 class CachedBPE:
