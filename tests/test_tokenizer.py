@@ -19,7 +19,7 @@ from conftest import require_shared
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.batch_merge import BatchMerger
 from scratchlm.tokenizer.merge import merge_by_scan, merge_with_heap
-from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, pretokens, split_pretokens
+from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, last_space_boundary, pretokens, split_pretokens
 from scratchlm.tokenizer.reference import reference_encode
 
 EOT = "<|endoftext|>"
@@ -195,6 +195,13 @@ def test_our_pattern_splits_as_openai_gpt2_spells_it(text):
 @given(st.text(st.characters(max_codepoint=127), max_size=60))
 def test_ascii_pattern_splits_any_ascii_text_as_the_unicode_pattern(text):
     assert split_pretokens(text) == GPT2_ASCII_SPLIT_REGEX.findall(text) == pretokens(text)
+
+
+@pytest.mark.parametrize("text,boundary", [("a  b", 1), ("a b", 1), ("ab", 0), (" ab", 0), ("a \n b", 1),
+                                           ("a\n  b", 0), ("x. y  ", 4), ("\u3000 a", 0)])
+def test_last_space_boundary_is_the_last_space_after_non_whitespace(text, boundary):
+    """The streaming encoder holds back text from there: the last space that follows a non-whitespace character."""
+    assert last_space_boundary(text) == boundary
 
 
 @settings(max_examples=200, deadline=None)

@@ -102,5 +102,5 @@ def last_space_boundary(text: str) -> int:
     """Index of the last space in text that follows a non-whitespace character, or 0 if there is none."""
     space = text.rfind(" ")
     while space > 0 and _WHITESPACE.match(text, space - 1):
-        space = text.rfind(" ", 0, space - 1)
+        space = text.rfind(" ", 0, space)
     return max(space, 0)
