@@ -78,11 +78,15 @@ def test_packed_weight_is_used_only_where_it_helps_and_while_current(monkeypatch
 
 
 @needs_onednn
-def test_packing_is_skipped_where_it_cannot_help_and_nests():
+def test_packing_is_skipped_where_it_does_not_pay_and_nests(monkeypatch):
     layer, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
     model = nn.ModuleList([layer, half])
     with packed_for_decoding(model, rows=2):  # 1-2 rows are faster unpacked
         assert layer.packed is None
+    monkeypatch.setattr(packed_matmul, "MAX_PACKED_BYTES", layer.weight.nbytes - 1)
+    with packed_for_decoding(model, rows=8):  # weights too large to copy
+        assert layer.packed is None
+    monkeypatch.undo()
     with packed_for_decoding(model, rows=8):
         assert layer.packed is not None and half.packed is None
         outer = layer.packed

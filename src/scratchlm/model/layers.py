@@ -82,12 +82,14 @@ class Linear(nn.Module):
 @contextmanager
 def packed_for_decoding(model: nn.Module, rows: int) -> Iterator[None]:
     """Within the block, the model's Linear layers multiply inputs of >= 3 rows (decoding `rows` sequences at
-    once) by oneDNN-packed copies of their weights, when that helps: float32 weights on CPU, a torch with oneDNN
-    (see model/packed_matmul.py). The copies are dropped on exit. Layers already packed by an enclosing block are
+    once) by oneDNN-packed copies of their weights, when that helps: float32 weights on CPU, a torch with oneDNN,
+    at most `packed_matmul.MAX_PACKED_BYTES` of weights (see model/packed_matmul.py). The copies are dropped on
+    exit. Layers already packed by an enclosing block are
     left to it."""
     layers = [layer for layer in model.modules() if isinstance(layer, Linear) and layer.packed is None
               and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
-    if rows < packed_matmul.MIN_ROWS or not layers or not packed_matmul.available():
+    size = sum(layer.weight.nbytes for layer in layers)
+    if rows < packed_matmul.MIN_ROWS or size > packed_matmul.MAX_PACKED_BYTES or not packed_matmul.available():
         layers = []
     for layer in layers:
         layer.packed = (layer.weight._version, packed_matmul.pack(layer.weight))
