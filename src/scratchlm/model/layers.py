@@ -84,8 +84,7 @@ def packed_for_decoding(model: nn.Module, rows: int) -> Iterator[None]:
     """Within the block, the model's Linear layers multiply inputs of >= 3 rows (decoding `rows` sequences at
     once) by oneDNN-packed copies of their weights, when that helps: float32 weights on CPU, a torch with oneDNN,
     at most `packed_matmul.MAX_PACKED_BYTES` of weights (see model/packed_matmul.py). The copies are dropped on
-    exit. Layers already packed by an enclosing block are
-    left to it."""
+    exit; layers already packed by an enclosing block are left to it."""
     layers = [layer for layer in model.modules() if isinstance(layer, Linear) and layer.packed is None
               and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
     size = sum(layer.weight.nbytes for layer in layers)
