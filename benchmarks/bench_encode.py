@@ -51,12 +51,11 @@ def shared(relative: str) -> Path:
 
 def gpt2_ranks() -> tuple[dict[bytes, int], dict[str, int]]:
     """GPT-2's mergeable ranks and special tokens, as tiktoken takes them, from the fixture vocab.json."""
-    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
+    from scratchlm.tokenizer.io import invert_vocab, read_gpt2_files
 
-    decoder = gpt2_unicode_to_bytes()
-    encoder = json.loads(shared("fixtures/gpt2_vocab.json").read_text(encoding="utf-8"))
-    ranks = {bytes(decoder[c] for c in token): rank for token, rank in encoder.items() if token != EOT}
-    return ranks, {EOT: encoder[EOT]}
+    vocab, _ = read_gpt2_files(shared("fixtures/gpt2_vocab.json"), shared("fixtures/gpt2_merges.txt"))
+    ranks = invert_vocab(vocab)
+    return ranks, {EOT: ranks.pop(EOT.encode("utf-8"))}
 
 
 def offline_tiktoken():
