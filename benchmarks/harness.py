@@ -127,18 +127,24 @@ def python_command(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def table(title: str, results: list[Result], unit_work: float | None = None, unit: str = "", *,
+          peak: bool = True) -> None:
+    """Print a Markdown table of medians (and peak RSS, and work per second) under a heading."""
+    print(f"\n## {title}")
+    print(f"| contender | median s |{' peak RSS MB |' if peak else ''} {unit + '/s' if unit else ''} |")
+    print(f"|---|---:|{'---:|' if peak else ''}---:|")
+    for r in results:
+        rate = f"{unit_work / r.median:,.1f}" if unit_work else ""
+        peak_mb = (f" {r.peak_mb:,.0f} |" if r.peak_mb is not None else " - |") if peak else ""
+        print(f"| {r.name} | {r.median:.3f} |{peak_mb} {rate} |")
+
+
 def report(title: str, results: dict[str, Result], ours: str, rival: str, unit_work: float | None = None,
            unit: str = "") -> dict:
     """Print a small table with medians and the ours/rival time ratio (<1 means we are faster)."""
     a, b = results[ours], results[rival]
     ratio = a.median / b.median
-    print(f"\n## {title}")
-    print(f"| contender | median s | peak RSS MB | {unit + '/s' if unit else ''} |")
-    print("|---|---:|---:|---:|")
-    for r in (a, b):
-        rate = f"{unit_work / r.median:,.1f}" if unit_work else ""
-        peak = f"{r.peak_mb:,.0f}" if r.peak_mb is not None else "-"
-        print(f"| {r.name} | {r.median:.3f} | {peak} | {rate} |")
+    table(title, [a, b], unit_work, unit)
     print(f"time ratio {ours}/{rival} = {ratio:.2f} (<= 1.0 means ours is at least as fast)")
     summary = {"title": title, "ours": ours, "rival": rival, "time_ratio": ratio,
                "medians_s": {r.name: r.median for r in (a, b)},
