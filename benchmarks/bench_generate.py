@@ -25,8 +25,8 @@ import pstats
 
 import torch
 
-from harness import interleave, report, table
-from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+from harness import hf_llama, interleave, report, table
+from scratchlm.compat.hf import to_hf_state_dict
 from scratchlm.generate.sampling import generate
 from scratchlm.model import ModelConfig, TransformerLM
 
@@ -40,14 +40,9 @@ ISSUE_NEW_TOKENS = 256  # issue 5's figure: 16 past the context, so ours only
 
 
 def build_models() -> tuple[TransformerLM, torch.nn.Module]:
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     ours = TransformerLM(ModelConfig.preset(PRESET)).eval()
-    hf_config = to_hf_llama_config(ours.config)
-    hf_config._attn_implementation = "sdpa"
-    hf = LlamaForCausalLM(hf_config).eval()
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config))
+    hf = hf_llama(ours.config, to_hf_state_dict(ours.state_dict(), ours.config), "sdpa").eval()
     return ours, hf
 
 

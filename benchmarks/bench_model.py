@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleave, interleave_commands, python_command, report  # noqa: E402
-from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
+from harness import hf_llama, interleave, interleave_commands, python_command, report  # noqa: E402
+from scratchlm.compat.hf import to_hf_state_dict  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 
 CONTENDERS = ("ours", "llama-eager", "llama-sdpa")
@@ -57,18 +57,13 @@ def build(name: str, cfg: ModelConfig, folder: Path) -> torch.nn.Module:
         model = TransformerLM(cfg)
         model.load_state_dict(load_file(folder / "ours.safetensors"))
         return model
-    hf_cfg = to_hf_llama_config(cfg)
-    hf_cfg._attn_implementation = name.removeprefix("llama-")
-    model = LlamaForCausalLM(hf_cfg)
-    model.load_state_dict(load_file(folder / "llama.safetensors"), strict=not cfg.tie_embeddings)
-    return model
+    return hf_llama(cfg, load_file(folder / "llama.safetensors"), name.removeprefix("llama-"),
+                    strict=not cfg.tie_embeddings)
 
 
 def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(model, LlamaForCausalLM):
-        # use_cache defaults to True even in training: it would build a DynamicCache (a torch.cat of K and V in
-        # every layer) that nothing reads.
-        return model(input_ids=ids, use_cache=False).logits
+        return model(input_ids=ids).logits
     return model(ids)
 
 

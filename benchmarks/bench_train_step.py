@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleave, report  # noqa: E402
-from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict  # noqa: E402
+from harness import hf_llama, interleave, report  # noqa: E402
+from scratchlm.compat.hf import to_hf_state_dict  # noqa: E402
 from scratchlm.config import RunConfig  # noqa: E402
 from scratchlm.data.batches import BatchSampler  # noqa: E402
 from scratchlm.data.token_file import open_token_file, write_token_file  # noqa: E402
@@ -43,21 +43,14 @@ def ours_step(config: RunConfig, batch):
 
 
 def hf_step(config: RunConfig, ours: torch.nn.Module, batch, attention: str):
-    from transformers import LlamaForCausalLM
-
-    hf_config = to_hf_llama_config(config.model)
-    hf_config._attn_implementation = attention
-    model = LlamaForCausalLM(hf_config)
-    model.load_state_dict(to_hf_state_dict(ours.state_dict(), config.model))  # strict: same weights exactly
+    model = hf_llama(config.model, to_hf_state_dict(ours.state_dict(), config.model), attention)  # same weights
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), foreach=True)
     inputs, targets = batch
 
     def step():
-        # use_cache defaults to True even in training: it would build a DynamicCache (a torch.cat of K and V in
-        # every layer) that nothing reads.
-        logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
+        logits = model(input_ids=inputs).logits  # (B, T, V)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)

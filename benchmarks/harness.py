@@ -122,6 +122,23 @@ def interleave_commands(commands: dict[str, list[str]], repeats: int) -> dict[st
     return results
 
 
+def hf_llama(config, hf_state_dict: dict, attention: str, *, strict: bool = True):
+    """The rival model: transformers' LlamaForCausalLM of our ModelConfig (compat/hf.py), loaded with weights in
+    its names, with the given attention ("eager" or "sdpa"). Its config's use_cache is off: a forward pass would
+    otherwise build a DynamicCache (a torch.cat of K and V in every layer) that a training step or a logits check
+    never reads; ``generate(use_cache=True)`` still turns it on."""
+    from transformers import LlamaForCausalLM
+
+    from scratchlm.compat.hf import to_hf_llama_config
+
+    hf_config = to_hf_llama_config(config)
+    hf_config._attn_implementation = attention
+    hf_config.use_cache = False
+    model = LlamaForCausalLM(hf_config)
+    model.load_state_dict(hf_state_dict, strict=strict)
+    return model
+
+
 def python_command(code: str) -> list[str]:
     """argv that runs a snippet of Python in a fresh interpreter (same venv)."""
     return [sys.executable, "-c", code]
