@@ -8,6 +8,7 @@ import json
 import random
 from itertools import islice, product, repeat
 
+import numpy as np
 import pytest
 import regex
 import tiktoken
@@ -279,17 +280,36 @@ def _random_merge_table(rng: random.Random, symbols: int) -> dict[tuple[int, int
     return {pair: (rank, merged.get(pair, 1000 + index)) for index, (pair, rank) in enumerate(zip(pairs, ranks))}
 
 
+def _batch_merge(merger: BatchMerger, pieces: list[bytes]) -> list[list[int]]:
+    ids, counts = merger.merge(b"".join(pieces), np.array([len(piece) for piece in pieces], dtype=np.int64))
+    assert counts.sum() == ids.size
+    flat = ids.tolist()
+    ends = np.cumsum(counts).tolist()
+    return [flat[end - count:end] for count, end in zip(counts.tolist(), ends)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), max_size=30), st.randoms(use_true_random=False))
 def test_batch_merging_equals_scan_merging(pieces, rng):
+    """Pieces of any lengths in any order (they are merged longest first, and must come back in order)."""
     table = _random_merge_table(rng, 4)
     merger = BatchMerger(table, list(range(256)))
-    assert merger.merge([bytes(piece) for piece in pieces]) == [merge_by_scan(list(p), table) for p in pieces]
+    assert _batch_merge(merger, [bytes(piece) for piece in pieces]) == [merge_by_scan(list(p), table) for p in pieces]
+
+
+def test_batch_merging_gpt2_pretokens_equals_scan_merging(gpt2):
+    """Real merges on real pre-tokens, a few thousand at once: the pair table's probing and the long tail."""
+    text = require_shared("fixtures/corpus.en").read_text(encoding="utf-8")
+    pieces = sorted({piece.encode("utf-8") for piece in split_pretokens(text)})
+    pieces += [b"x" * 300, "\u00e9t\u00e9 ".encode() * 9]  # long pieces: hundreds of rounds, and repeated pairs
+    bpe = gpt2._bpe
+    expected = [merge_by_scan([bpe._byte_ids[byte] for byte in piece], bpe._merge_ranks) for piece in pieces]
+    assert _batch_merge(bpe._batch_merger(), pieces) == expected
 
 
 def test_batch_merging_refuses_empty_pieces():
     with pytest.raises(ValueError, match="empty piece"):
-        BatchMerger({}, list(range(256))).merge([b"a", b""])
+        BatchMerger({}, list(range(256))).merge(b"a", np.array([1, 0]))
 
 
 def test_decode_replaces_malformed_utf8_and_names_bad_ids(gpt2):

@@ -7,23 +7,24 @@
   thousand words, so most lookups hit, and the regex (15-20 MB/s alone) runs on a fraction of the text.
 - A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
   pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Many new words
-  at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their new
-  pre-tokens merged at once by ``batch_merge.py``.
+  at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their
+  distinct pre-tokens merged at once by ``batch_merge.py``.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from itertools import islice
+from itertools import chain, compress, islice
+from operator import itemgetter, not_
 
-from scratchlm.tokenizer.batch_merge import BatchMerger
+import numpy as np
+
+from scratchlm.tokenizer.batch_merge import BatchMerger, run_starts, take_runs
 from scratchlm.tokenizer.merge import merge_ids
 from scratchlm.tokenizer.pretokenize import (
     ends_in_whitespace,
-    is_complete_word,
-    is_one_pretoken,
     spaced_word_pieces,
     split_pretokens,
 )
@@ -107,45 +108,44 @@ class CachedBPE:
             ids = lookup(piece)
             extend(self._encode_new_piece(piece) if ids is None else ids)
 
-    def learn_words(self, words: set[str]) -> None:
-        """Put the ids of many new words into the word cache at once; their pre-tokens that the pre-token cache
-        lacks are merged together by ``BatchMerger`` (cold caches: the first megabytes of a corpus).
+    def learn_words(self, words: Iterable[str]) -> None:
+        """Put the ids of many new words into the word cache at once (the complete ones of at most 64 characters:
+        the hot loop encodes any other on its own).
 
-        Words that are one pre-token (``is_one_pretoken``) need no regex. The others are joined with spaces and
-        pre-tokenized in one regex call per group (ASCII words, then the rest): each is complete, so the space
-        before it starts its first pre-token and no pre-token crosses it, and each word's pre-tokens are the run
-        that starts with " ".
+        The words are joined with spaces and pre-tokenized in one regex call per group (ASCII words, then the
+        rest): each is complete, so the space before it starts its first pre-token and no pre-token crosses it.
+        Their distinct pre-tokens are merged at once by ``BatchMerger``, and each word's ids are its pre-tokens'.
         The cyclic garbage collector is paused meanwhile: the tens of thousands of id tuples made here hold no
         cycles, yet would set off a collection every few hundred (a fifth of a cold encode's time).
         """
         with _gc_paused():
-            complete = [word for word in words if len(word) < _MAX_CACHED_CHARS and is_complete_word(word)]
-            simple: list[str] = []
-            ascii_other: list[str] = []
-            unicode_other: list[str] = []
-            for word in complete:
-                (simple if is_one_pretoken(word) else ascii_other if word.isascii() else unicode_other).append(word)
-            simple_pieces = [" " + word for word in simple]
-            other = ascii_other + unicode_other  # each group is pre-tokenized in one call; ASCII by the fast pattern
-            other_pieces = [piece for group in (ascii_other, unicode_other) if group
-                            for piece in split_pretokens(" " + " ".join(group))]
-            cache = self.pretoken_cache
-            pieces = set(simple_pieces).union(other_pieces)
-            if len(cache) + len(pieces) > self._cache_size:
+            groups = _pattern_groups(_cacheable_words(words))
+            pieces: list[str] = []
+            first_pieces: list[np.ndarray] = []
+            for group, text in groups:
+                group_pieces = split_pretokens(text)
+                first_pieces.append(len(pieces) + _first_pieces(group, group_pieces))
+                pieces += group_pieces
+            if not pieces:
+                return
+            ids = self._merge_words(pieces, np.concatenate(first_pieces))
+            cache = self.word_cache
+            if len(cache) + len(ids) > self._cache_size:
                 cache.clear()
-            new_pieces = [piece for piece in pieces.difference(cache) if len(piece) <= _MAX_CACHED_CHARS]
-            merged = self._batch_merger().merge([piece.encode("utf-8") for piece in new_pieces])
-            cache.update(zip(new_pieces, map(tuple, merged)))  # now every piece of every word is cached
-            word_cache = self.word_cache
-            if len(word_cache) + len(complete) > self._cache_size:
-                word_cache.clear()
-            word_cache.update(zip(simple, map(cache.__getitem__, simple_pieces)))
-            firsts = [index for index, piece in enumerate(other_pieces) if piece[0] == " "]
-            assert len(firsts) == len(other), "each joined word must start exactly one pre-token with its space"
-            piece_ids = list(map(cache.__getitem__, other_pieces))
-            ends = firsts[1:] + [len(piece_ids)]
-            # A word has a few pieces (most often two: "word" + ","), where adding tuples beats chaining them.
-            word_cache.update(zip(other, [sum(piece_ids[first:end], ()) for first, end in zip(firsts, ends)]))
+            cache.update(zip(chain.from_iterable(group for group, _ in groups), ids))
+
+    def _merge_words(self, pieces: list[str], first_pieces: np.ndarray) -> list[tuple[int, ...]]:
+        """The ids of each word, given its pre-tokens (``pieces`` from ``first_pieces[i]`` to the next word's)."""
+        distinct = list(dict.fromkeys(pieces))
+        index = dict(zip(distinct, range(len(distinct))))
+        piece_index = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        encoded = list(map(str.encode, distinct))
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        ids, counts = self._batch_merger().merge(b"".join(encoded), lengths)
+        piece_counts = counts[piece_index]
+        flat = take_runs(ids, run_starts(counts)[piece_index], piece_counts).tolist()
+        ends = np.cumsum(np.add.reduceat(piece_counts, first_pieces)).tolist()
+        return [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]
 
     def _mostly_new(self, words: list[str]) -> bool:
         """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
@@ -187,6 +187,41 @@ class CachedBPE:
         if len(data) == 1:
             return (self._byte_ids[data[0]],)
         return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
+
+
+def _cacheable_words(words: Iterable[str]) -> list[str]:
+    """The complete words (not empty, ending in a non-whitespace character: " " + word is a chunk on its own) of
+    at most _MAX_CACHED_CHARS characters."""
+    words = list(words)
+    lengths = np.fromiter(map(len, words), np.int64, len(words))
+    keep = (lengths > 0) & (lengths <= _MAX_CACHED_CHARS)
+    if not keep.all():
+        words = list(compress(words, keep.tolist()))
+    last_characters = list(map(itemgetter(-1), words))
+    whitespace = {character for character in set(last_characters) if ends_in_whitespace(character)}
+    if whitespace:
+        words = list(compress(words, map(not_, map(whitespace.__contains__, last_characters))))
+    return words
+
+
+def _pattern_groups(words: list[str]) -> list[tuple[list[str], str]]:
+    """The words split into ASCII ones and the rest, each group with its text: " " + the words joined by spaces
+    (``split_pretokens`` runs the faster ASCII pattern on the first)."""
+    joined = " ".join(words)
+    if joined.isascii():
+        return [(words, " " + joined)] if words else []
+    is_ascii = list(map(str.isascii, words))
+    groups = [list(compress(words, is_ascii)), list(compress(words, map(not_, is_ascii)))]
+    return [(group, " " + " ".join(group)) for group in groups if group]
+
+
+def _first_pieces(words: list[str], pieces: list[str]) -> np.ndarray:
+    """The index in pieces (the pre-tokens of " " + the words joined by spaces) of each word's first pre-token."""
+    piece_starts = run_starts(np.fromiter(map(len, pieces), np.int64, len(pieces)))
+    word_starts = run_starts(np.fromiter(map(len, words), np.int64, len(words)) + 1)
+    first = np.searchsorted(piece_starts, word_starts)
+    assert np.array_equal(piece_starts[first], word_starts), "each joined word must start its own pre-token"
+    return first
 
 
 @contextmanager

@@ -85,11 +85,6 @@ def is_one_pretoken(word: str) -> bool:
     return word.isascii() and (word.isalpha() or word.isdigit())
 
 
-def is_complete_word(word: str) -> bool:
-    """Whether " " + word is a chunk on its own: word is not empty and ends in a non-whitespace character."""
-    return bool(word) and not ends_in_whitespace(word)
-
-
 def ends_in_whitespace(word: str) -> bool:
     """Whether word's last character is whitespace in the GPT-2 pattern's sense (regex ``\\s``)."""
     last = word[-1]
