@@ -1,8 +1,8 @@
 """Rank-based BPE of many pre-tokens at once, with numpy: the encoder's cold-cache path.
 
 Encoding text that the caches have not seen (the first megabytes of a corpus, every worker of ``data encode``)
-would spend its time running BPE on new pre-tokens one by one in Python, a few microseconds each. Here all of a
-block's new pre-tokens are merged together, one merge per pre-token per round:
+would spend its time running BPE on new pre-tokens one by one in Python, a few microseconds each. Here the distinct
+pre-tokens of a block's new words are merged together, one merge per pre-token per round:
 
 - Their bytes lie end to end in one token array, each pre-token a doubly linked list over its positions
   (``next``/``prev``; a merged-away token leaves its list). ``key[i]`` is ``rank << 32 | i`` for the pair
