@@ -56,6 +56,8 @@ class BatchMerger:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if lengths.min() <= 0:
             raise ValueError("cannot merge an empty piece")
+        if lengths.sum() >= _LOW_MASK:  # positions must stay below _MERGED_AWAY's low bits
+            raise ValueError(f"too many bytes for one batch ({lengths.sum()})")
         order = np.argsort(-lengths, kind="stable")  # longest first
         tokens, key, merged, next_, prev, starts = self._longest_first(np.frombuffer(data, np.uint8), lengths, order)
         size = tokens.size - 1  # the last slot is the sentinel
@@ -71,9 +73,9 @@ class BatchMerger:
         alive = key[:size] != _MERGED_AWAY
         counts = np.empty(lengths.size, np.int64)
         counts[order] = np.add.reduceat(alive, starts)
-        starts = np.empty(lengths.size, np.int64)
-        starts[order] = run_starts(counts[order])  # where each piece's ids are in the merged (longest first) order
-        return take_runs(tokens[:size][alive], starts, counts), counts
+        id_starts = np.empty(lengths.size, np.int64)
+        id_starts[order] = run_starts(counts[order])  # where each piece's ids are in the longest-first layout
+        return take_runs(tokens[:size][alive], id_starts, counts), counts
 
     def _longest_first(self, data: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, ...]:
         """The byte tokens in ``order``, their first keys and merged ids, linked lists, and each piece's start."""
