@@ -74,7 +74,8 @@ def run_train(args: argparse.Namespace) -> int:
         own_mb, worker_mb = peak_memory_mb()
         input_mb = sum(os.path.getsize(path) for path in args.input) / 2**20
         print(f"trained on {input_mb:.1f} MB in {seconds:.2f} s: {len(merges)} merges, vocab {len(vocab)}")
-        print(f"peak RSS: {own_mb:.0f} MB (main process), {worker_mb:.0f} MB (largest worker)")
+        where = f"(main process), {worker_mb:.0f} MB (largest worker)" if worker_mb else "(one process, no workers)"
+        print(f"peak RSS: {own_mb:.0f} MB {where}")
         print(f"longest tokens: {describe_longest(vocab, 256 + len(args.special_token))}")
         print(f"saved to {out}")
     return 0
