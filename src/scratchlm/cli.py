@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from scratchlm.errors import UserError
+
 # Pipeline order: what `scratchlm --help` lists, top to bottom.
 COMMAND_MODULES = [
     "scratchlm.demo",
@@ -24,10 +26,6 @@ COMMAND_MODULES = [
 ]
 
 
-class UserError(Exception):
-    """A problem with the user's input (file, flag, value): printed as one clear line, no traceback."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scratchlm",
@@ -36,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:  # a real missing dependency, not a stage that is not built yet
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)  # a failing import is a bug: let it show
     return parser
 
 

@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def resolve_corpus(data: Path | None) -> tuple[Path, Path | None]:
     """(train text, validation text or None = hold out the train text's tail)."""
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
     from scratchlm.paths import describe_search
 
     if data is not None:
@@ -273,8 +273,8 @@ def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) 
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from scratchlm.cli import UserError
     from scratchlm.data.encode import encode_corpus
+    from scratchlm.errors import UserError
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train_bpe import train_bpe
 

@@ -57,8 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def resolve_model_config(args: argparse.Namespace):
     """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.cli import UserError
     from scratchlm.config import RunConfig, apply_overrides, load_config
+    from scratchlm.errors import UserError
 
     foreign = [item for item in args.overrides if not item.strip().startswith("model.")]
     if foreign:
@@ -112,7 +112,7 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
 
 
 def run_accounting_command(args: argparse.Namespace) -> int:
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
 
     config = resolve_model_config(args)
     context = args.context if args.context is not None else config.context_length

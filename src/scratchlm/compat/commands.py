@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------------------------------------------- export
 
 def run_export_hf(args: argparse.Namespace) -> int:
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
     from scratchlm.tokenizer import Tokenizer
     from scratchlm.train.checkpoint import load_for_inference
 
@@ -114,7 +114,7 @@ def hf_tokenizer(tokenizer):
 # ---------------------------------------------------------------------------------------------------- import
 
 def run_import_hf(args: argparse.Namespace) -> int:
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
 
     model_dir, run_dir = args.model, args.out
     if not (model_dir / "config.json").is_file():

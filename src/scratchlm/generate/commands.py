@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
     from scratchlm.generate.sampling import stream
     from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.setup import select_device
@@ -94,7 +94,7 @@ def write_stream(prompt: str, token_ids, tokenizer, out) -> None:
 
 
 def _load_tokenizer(directory: str | Path | None, checkpoint: Path):
-    from scratchlm.cli import UserError
+    from scratchlm.errors import UserError
     from scratchlm.tokenizer import Tokenizer
 
     if directory is None:

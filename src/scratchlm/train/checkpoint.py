@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import scratchlm
-from scratchlm.cli import UserError
+from scratchlm.errors import UserError
 from scratchlm.train.checkpoint_state import (
     capture_rng_state,
     load_model_state,

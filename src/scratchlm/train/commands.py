@@ -59,8 +59,8 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from scratchlm.cli import UserError
     from scratchlm.config import load_config
+    from scratchlm.errors import UserError
     from scratchlm.train import distributed
     from scratchlm.train.trainer import CONFIG_FILE, train
 
@@ -86,8 +86,8 @@ def run_train(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from scratchlm.cli import UserError
     from scratchlm.data.token_file import open_token_file
+    from scratchlm.errors import UserError
     from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.loss import perplexity
     from scratchlm.train.setup import select_device
