@@ -69,7 +69,7 @@ def test_overrides_are_parsed_to_field_types(base: Path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("optim.lrr=1", "valid keys: ['betas', 'cosine_cycle_iters', 'eps', 'grad_clip', 'lr', 'min_lr'"),
+    ("optim.lrr=1", "valid keys: ['betas', 'cosine_cycle_iters', 'decay_fraction', 'decay_shape'"),
     ("foo.x=1", "valid keys: ['data', 'model', 'optim', 'train']"),
     ("train.max_steps=abc", "train.max_steps='abc': expected int"),
     ("train.max_steps=1.5", "expected int"),

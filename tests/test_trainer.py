@@ -98,7 +98,8 @@ def test_run_directory_outputs(finished_run: Path, data):
     train_records, evals, ends = (records(finished_run, k) for k in ("train", "eval", "end"))
     assert [r["step"] for r in train_records] == list(range(1, 13))
     for r in train_records:
-        assert set(r) == {"kind", "step", "tokens", "wall_time", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+        assert set(r) == {"kind", "step", "tokens", "wall_time", "train_time", "loss", "lr", "grad_norm",
+                          "tokens_per_s", "mfu"}
         assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] > 0 and r["mfu"] is None  # CPU: no peak
     # Step s trains with the rate of iteration s - 1: 5 warm-up iterations from 0, then cosine over 5..12.
     lrs = [r["lr"] for r in train_records]

@@ -28,29 +28,60 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
+DECAY_SHAPES = ("linear", "1-sqrt")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
+MUON_PARAMS = r"^layers\.\d+\.(attn\.(q|k|v|output)_proj|ffn\.w[123])\.weight$"  # the hidden matrices
 PARALLEL = ("ddp", "fsdp")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
-    min_lr: float = 1e-4  # floor of the cosine decay
+    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden 2-D matrices, AdamW for embeddings, head, gains)
+    lr: float = 1e-3  # peak learning rate of the AdamW parameters, reached at the end of warm-up
+    min_lr: float = 1e-4  # where the decay ends; every group's rate is scaled by the same lr(t) / lr
     warmup_iters: int = 100
+    schedule: str = "cosine"  # cosine | wsd (warm-up, stable, then decay over the last decay_fraction of the run)
     cosine_cycle_iters: int | None = None  # None: decay over the whole run (train.max_steps)
+    decay_fraction: float = 0.2  # wsd: the share of the run spent decaying from lr to min_lr
+    decay_shape: str = "linear"  # wsd: linear | 1-sqrt (the cool-down's shape)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only (norm gains and embeddings-as-vectors skip it)
     grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+    embedding_lr: float | None = None  # peak rate of the token embeddings (None: lr)
+    head_lr: float | None = None  # peak rate of an untied lm_head (None: lr)
+    muon_lr: float = 0.02  # muon: peak rate of the hidden matrices
+    muon_momentum: float = 0.95
+    muon_adjust_lr: str = "original"  # muon: original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
+    muon_params: str = MUON_PARAMS  # muon: regular expression over parameter names (matched ones go to Muon)
 
     def __post_init__(self) -> None:
+        _require(self.optimizer in OPTIMIZERS, f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
         _require(self.warmup_iters >= 0, f"optim.warmup_iters must be >= 0, got {self.warmup_iters}")
+        _require(self.schedule in SCHEDULES, f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        _require(0 < self.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        _require(self.decay_shape in DECAY_SHAPES,
+                 f"optim.decay_shape must be one of {DECAY_SHAPES}, got {self.decay_shape!r}")
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas must each be in [0, 1), got {self.betas}")
         _require(self.eps > 0, f"optim.eps must be positive, got {self.eps}")
         _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        for name in ("embedding_lr", "head_lr"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"optim.{name} must be positive (or none: optim.lr), got {value}")
+        _require(self.muon_lr > 0, f"optim.muon_lr must be positive, got {self.muon_lr}")
+        _require(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        try:
+            re.compile(self.muon_params)
+        except re.error as error:
+            raise ValueError(f"optim.muon_params {self.muon_params!r} is not a regular expression: {error}") from None
+        _require(self.muon_adjust_lr in MUON_ADJUST_LR,
+                 f"optim.muon_adjust_lr must be one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}")
 
 
 @dataclass
@@ -66,7 +97,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000  # optimizer steps; the schedule decays over them
+    max_steps: int = 1000  # optimizer steps; the schedule decays over them (set by the plan under a budget)
+    budget_seconds: float | None = None  # a time budget: max_steps is planned from a measured step (train/budget.py)
+    budget_includes_eval: bool = True  # the budget covers evaluations too (false: training time alone)
+    threads: int | None = None  # torch intra-op threads (None: torch's default); a budget's probe sets it
     grad_accum_steps: int = 1  # micro-batches per step: data.batch_size must be divisible by it
     device: str = "auto"  # auto (cuda -> mps -> cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "fp32"  # fp32 | bf16 (autocast; the master weights stay fp32)
@@ -97,6 +131,9 @@ class TrainConfig:
         _require(bool(DEVICE_PATTERN.fullmatch(self.device)),  # fullmatch: $ alone would let "cpu\n" through
                  f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")
+        _require(self.threads is None or self.threads > 0, f"train.threads must be positive, got {self.threads}")
+        _require(self.budget_seconds is None or (math.isfinite(self.budget_seconds) and self.budget_seconds > 0),
+                 f"train.budget_seconds must be a positive number of seconds (or none), got {self.budget_seconds}")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
@@ -117,6 +154,12 @@ class RunConfig:
         cycle = self.optim.cosine_cycle_iters
         _require(cycle is None or cycle >= 1,
                  f"optim.cosine_cycle_iters must be >= 1 (or none: the whole run), got {cycle}")
+        if self.optim.schedule == "wsd":
+            decay = round(self.optim.decay_fraction * steps)
+            _require(self.optim.warmup_iters <= steps - decay,
+                     f"optim.warmup_iters ({self.optim.warmup_iters}) must end before the wsd decay starts (step "
+                     f"{steps - decay} of train.max_steps = {steps} with optim.decay_fraction = "
+                     f"{self.optim.decay_fraction})")
         _require(cycle is None or cycle >= self.optim.warmup_iters,
                  f"optim.cosine_cycle_iters ({cycle}) must not be below optim.warmup_iters ({self.optim.warmup_iters})")
         _require(self.data.batch_size % self.train.grad_accum_steps == 0,

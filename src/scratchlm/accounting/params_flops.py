@@ -47,7 +47,7 @@ class ParamCounts:
     embeddings: int
     attention: int
     ffn: int
-    norms: int  # the two norms of every block
+    norms: int  # the two norms of every block (and its q/k norms with QK-norm)
     final_norm: int
     lm_head: int  # 0 when tied to the embeddings
 
@@ -65,7 +65,7 @@ def count_params(config: ModelConfig) -> ParamCounts:
         embeddings=config.vocab_size * d,
         attention=layers * 4 * d * d,
         ffn=layers * ffn_matrices(config) * d * config.d_ff,
-        norms=layers * 2 * norm_params(config),
+        norms=layers * (2 * norm_params(config) + (2 * config.head_dim if config.qk_norm else 0)),
         final_norm=norm_params(config),
         lm_head=0 if config.tie_embeddings else config.vocab_size * d,
     )

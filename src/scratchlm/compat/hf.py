@@ -45,6 +45,9 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
     """Raise ValueError naming every switch that has no Llama equivalent."""
     wrong = [f"{name}={getattr(cfg, name)!r} (Llama needs {value!r})"
              for name, value in _LLAMA_ARCHITECTURE.items() if getattr(cfg, name) != value]
+    # Llama has no q/k norms and no logit cap (zero_init_residual is only an initialisation: it exports fine).
+    wrong += [f"{name}={getattr(cfg, name)!r} (Llama has none)" for name in ("qk_norm", "logit_softcap")
+              if getattr(cfg, name)]
     if wrong:
         raise ValueError("this model cannot be expressed as a Hugging Face Llama: " + ", ".join(wrong))
 

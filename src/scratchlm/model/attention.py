@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.layers import Linear, softmax_backward
+from scratchlm.model.layers import Linear, RMSNorm, softmax_backward
 
 # On CPU the attention core works on this many score elements at a time (2 MiB in fp32): few enough to stay in a
 # core's L2 cache from the matmul that writes them, through the softmax, to the matmul that reads them.
@@ -179,7 +179,7 @@ class MultiHeadSelfAttention(nn.Module):
     """Causal MHSA. theta=None means no position encoding (the "nope" ablation)."""
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
-                 device=None, dtype=None) -> None:
+                 qk_norm: bool = False, norm_eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -192,6 +192,10 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.rope = None if theta is None else RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device)
+        # QK-norm: each head's q and k scaled to unit RMS (times a learned gain) before RoPE, so a score q·k/√d_k
+        # cannot grow with the weights' scale: attention logits stay bounded and high learning rates stay stable.
+        self.q_norm = RMSNorm(self.head_dim, norm_eps, device=device, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps, device=device, dtype=dtype) if qk_norm else None
         causal = None
         if max_seq_len is not None:
             causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril()
@@ -210,6 +214,8 @@ class MultiHeadSelfAttention(nn.Module):
         T = x.shape[-2]
         past = kv_cache.length if kv_cache is not None else 0
         q, k, v = (self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, T, d_k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             positions = token_positions
             if positions is not None and positions.dim() > 1:

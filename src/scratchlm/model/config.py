@@ -15,7 +15,7 @@ from typing import Any
 NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "nope")
-FFNS = ("swiglu", "silu")
+FFNS = ("swiglu", "silu", "relu2")
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -36,14 +36,17 @@ class ModelConfig:
     d_model: int = 512
     num_layers: int = 4
     num_heads: int = 16
-    d_ff: int | None = None  # None: derived from `ffn` (SwiGLU ≈ 8/3·d rounded to 64; SiLU FFN 4·d)
+    d_ff: int | None = None  # None: derived from `ffn` (SwiGLU ≈ 8/3·d rounded to 64; SiLU and ReLU² FFNs 4·d)
     rope_theta: float = 10_000.0
     norm: str = "rmsnorm"  # rmsnorm | layernorm | none
     norm_position: str = "pre"  # pre | post
     position: str = "rope"  # rope | nope
-    ffn: str = "swiglu"  # swiglu | silu
+    ffn: str = "swiglu"  # swiglu | silu | relu2 (squared ReLU, modded-nanogpt)
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE: bounds the attention logits
+    zero_init_residual: bool = False  # attention output and FFN down projections start at 0 (blocks start as identity)
+    logit_softcap: float | None = None  # logits -> cap · tanh(logits / cap); None: no cap
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -63,8 +66,11 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
         if not _is_finite_number(self.norm_eps) or self.norm_eps < 0:
             raise ValueError(f"model.norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        for name in ("tie_embeddings", "qk_norm", "zero_init_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logit_softcap is not None and not (_is_finite_number(self.logit_softcap) and self.logit_softcap > 0):
+            raise ValueError(f"model.logit_softcap must be a finite number > 0 (or none), got {self.logit_softcap!r}")
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

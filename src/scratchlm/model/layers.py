@@ -187,6 +187,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """ReLU(x)² = max(x, 0)²."""
+    return x.clamp_min(0).square()
+
+
 class _Softmax(torch.autograd.Function):
     """Softmax with a hand-written backward that keeps only the output alive: dx = y ⊙ (dy - Σ dy ⊙ y)."""
 

@@ -15,6 +15,7 @@ TRAIN_EPILOG = """examples:
   scratchlm train --config configs/tiny.toml --set data.train_path=train.tok --set data.val_path=valid.tok
   scratchlm train --config configs/tinystories-cpu.toml --set optim.lr=3e-3 --run-dir runs/lr3e-3
   scratchlm train --run-dir runs/lr3e-3 --resume          # continue from the newest valid checkpoint
+  scratchlm train --config configs/recipes/modern.toml --budget 25m   # the best model 25 minutes buy here
 exit status: 0 finished, 1 diverged or bad input, 130 interrupted (a checkpoint was saved)."""
 
 EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
@@ -32,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--device", help="shorthand for --set train.device=D (auto, cpu, cuda, cuda:N, mps)")
     train.add_argument("--compile", action="store_true", help="shorthand for --set train.compile=true")
     train.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
+    train.add_argument("--budget", metavar="DURATION",
+                       help="train for a time budget (25m, 1.5h, 900s, 900): the steps are planned from a measured "
+                            "step; shorthand for --set train.budget_seconds=SECONDS")
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     train.set_defaults(func=run_train)
 
@@ -55,6 +59,10 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
         overrides.append("train.compile=true")
     if args.run_dir:
         overrides.append(f"train.run_dir={args.run_dir}")
+    if args.budget is not None:
+        from scratchlm.train.budget import parse_duration
+
+        overrides.append(f"train.budget_seconds={parse_duration(args.budget)}")
     return overrides
 
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from scratchlm.config import DEVICE_PATTERN, RunConfig
 from scratchlm.model import TransformerLM
-from scratchlm.optim.adamw import AdamW, param_groups_for
+from scratchlm.optim.adamw import AdamW
+from scratchlm.optim.groups import recipe_param_groups
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
@@ -92,10 +93,16 @@ def wrap_model(model: nn.Module, config: RunConfig) -> nn.Module:
     return torch.compile(model) if config.train.compile else model
 
 
-def build_optimizer(model: nn.Module, config: RunConfig) -> AdamW:
+def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """AdamW, or Muon for the hidden matrices and AdamW for the rest as one optimizer (optim/groups.py)."""
     optim = config.optim
-    return AdamW(param_groups_for(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                 weight_decay=optim.weight_decay)
+    groups = recipe_param_groups(model, optim)
+    if optim.optimizer == "muon":
+        from scratchlm.optim.hybrid import MuonAdamW
+
+        return MuonAdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+                         momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr)
+    return AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
     """Create the run directory, prove it writable, and refuse to overwrite a run that has checkpoints."""

@@ -24,17 +24,22 @@ from torch import nn
 from scratchlm.config import RunConfig
 from scratchlm.data.batches import validation_batches
 from scratchlm.optim.clip import clip_gradients
-from scratchlm.optim.schedule import lr_cosine_schedule
+from scratchlm.optim.schedule import lr_cosine_schedule, lr_wsd_schedule
 from scratchlm.train import distributed
 from scratchlm.train.loss import cross_entropy
 
 
 def learning_rate(step: int, config: RunConfig) -> float:
-    """Warm-up then cosine decay to min_lr at step ``cosine_cycle_iters`` (default: train.max_steps).
+    """The scheduled peak rate (optim.lr scale) at ``step``: warm-up, then cosine decay to min_lr at step
+    ``cosine_cycle_iters`` (default: train.max_steps), or WSD's stable phase and decay over the last
+    ``decay_fraction`` of train.max_steps. Every param group trains at this times its ``lr_scale``.
 
-    Steps run from 0 to max_steps - 1 (the CS336 convention), so with the default cycle the last step trains just
-    above min_lr, and step 0 of a warm-up trains at lr 0."""
+    Steps run from 0 to max_steps - 1 (the CS336 convention), so the last step trains just above min_lr, and step 0
+    of a warm-up trains at lr 0."""
     optim = config.optim
+    if optim.schedule == "wsd":
+        return lr_wsd_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, config.train.max_steps,
+                               optim.decay_fraction, optim.decay_shape)
     cycle = config.train.max_steps if optim.cosine_cycle_iters is None else optim.cosine_cycle_iters
     return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
 
@@ -48,10 +53,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
     """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
 
     Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
-    measured before clipping. ``grad_clip`` = 0 measures the norm without clipping.
+    measured before clipping. ``grad_clip`` = 0 measures the norm without clipping. A param group with an
+    ``lr_scale`` (its own peak rate over optim.lr: Muon's matrices, the embeddings, the head) trains at lr times it.
     """
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     device = batches[0][0].device
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(batches):

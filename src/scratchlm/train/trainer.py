@@ -14,6 +14,9 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
   values (the partial loss window, wall time, best validation loss), and metrics.jsonl is cut back to the
   checkpoint's step, so a resumed run's losses are bitwise those of an uninterrupted run (CPU).
 - SIGINT/SIGTERM set a flag; the loop finishes the current step, saves a checkpoint and returns "interrupted".
+- A time budget (train.budget_seconds) is planned before the run from a measured step (budget.py); the loop
+  still stops at the budget, through the same path as the last step (final evaluation, checkpoint), if the
+  machine slows down. A resumed run keeps its plan and the budget time it had used.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import functools
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +37,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from scratchlm.config import RunConfig
+from scratchlm.config import RunConfig, load_config
 from scratchlm.data.batches import BatchSampler
 from scratchlm.train import distributed
+from scratchlm.train.budget import BudgetClock, plan_budget
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, plot_curves
@@ -51,6 +56,9 @@ from scratchlm.train.setup import (
 from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
 
 CONFIG_FILE = "config.toml"
+# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
+PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
+                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
 T = TypeVar("T")
 
 
@@ -72,6 +80,8 @@ class LoopState:
     step: int = 0
     tokens: int = 0  # trained so far, across resumes (the world size, so tokens per step, may change on resume)
     wall_time: float = 0.0  # seconds of training so far, across resumes
+    train_time: float = 0.0  # the same without evaluations and checkpoints
+    budget_used: float = 0.0  # seconds of train.budget_seconds used so far, across resumes
     best_val_loss: float | None = None
     last_train_loss: float | None = None
     window_loss_sum: float = 0.0  # losses of the steps since the last log record
@@ -122,13 +132,12 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None) -> TrainResult:
-    """Train ``config`` to ``train.max_steps`` (or divergence, or a stop signal); see the module docstring.
+    """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
+    docstring.
 
     ``device`` (a torchrun rank's GPU, from ``distributed.launch``) overrides train.device, which stays as given
     in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
     """
-    from scratchlm.train.checkpoint import CheckpointManager
-
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
@@ -136,6 +145,46 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     set_matmul_precision(device, config.train.tf32)
     if is_main_process:
         prepare_run_dir(run_dir, resume)
+    config = _planned(config, run_dir, resume, quiet or not is_main_process)
+    default_threads = torch.get_num_threads()
+    if config.train.threads is not None:
+        torch.set_num_threads(config.train.threads)
+    try:
+        return _train(config, resume, quiet, wrap, device, rank, world_size)
+    finally:
+        torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
+
+
+def _planned(config: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> RunConfig:
+    """The config with its budget plan: measured now, or on resume the plan the run was started with."""
+    if config.train.budget_seconds is None:
+        return config
+    saved_path = run_dir / CONFIG_FILE
+    if resume and saved_path.is_file():
+        saved = load_config(saved_path)
+        if saved.train.budget_seconds != config.train.budget_seconds:
+            raise ValueError(f"cannot resume {run_dir}: it was planned for a budget of {saved.train.budget_seconds} "
+                             f"s, this asks for {config.train.budget_seconds} s (a budget cannot change mid-run)")
+        planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
+        return config.with_overrides(planned)
+    config, plan = plan_budget(config)
+    config = config.with_overrides([f"train.threads={plan.threads}"])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        shared = [config.to_dict()]  # every rank trains rank 0's plan, so all stop at the same step
+        torch.distributed.broadcast_object_list(shared, src=0)
+        config = RunConfig.from_dict(shared[0])
+    if not quiet:
+        train_tokens, _ = open_data(config)
+        print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
+    return config
+
+
+def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
+           device: torch.device, rank: int, world_size: int) -> TrainResult:
+    from scratchlm.train.checkpoint import CheckpointManager
+
+    is_main_process = rank == 0
+    run_dir = Path(config.train.run_dir)
     train_tokens, val_tokens = open_data(config)
     raw_model = build_model(config, device)
     optimizer = build_optimizer(raw_model, config)
@@ -186,6 +235,11 @@ def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.O
     if saved.model != config.model:
         raise ValueError(f"cannot resume from {path}: it was trained with model {saved.model}, but this config "
                          f"asks for {config.model}")
+    if saved.optim != config.optim:  # another recipe would silently continue a different run
+        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(saved.optim).items()
+                   if getattr(config.optim, k) != v}
+        raise ValueError(f"cannot resume from {path}: the optimizer settings changed (saved -> asked: " +
+                         ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
     distributed.restore_sampler(sampler, loaded["sampler_state"])  # rank 0's state, any world size
     fields = {f.name for f in dataclasses.fields(LoopState)}
     return LoopState(**{k: v for k, v in (loaded["extra"] or {}).items() if k in fields}, step=loaded["step"])
@@ -206,10 +260,12 @@ class _Loop:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = _step_flops(config) if self.peak_flops else None
+        self.budget = BudgetClock(config, used=state.budget_used)
 
     def run(self, stop: StopRequest) -> TrainResult:
         cfg = self.config.train
-        self.start_step, self.start_wall = self.state.step, self.state.wall_time
+        self.start_step, self.start_wall, self.start_train_time = self.state.step, self.state.wall_time, \
+            self.state.train_time
         self.session_start = self.window_start = time.perf_counter()
         # The throughput window starts here even when the restored loss window holds steps from before the resume.
         self.window_start_step = self.state.step
@@ -228,8 +284,10 @@ class _Loop:
             self.state.window_steps += 1
             if self.logger:
                 self.logger.advance()
+            out_of_time = not final and self._agreed(self.budget.exceeded(), step % cfg.log_every == 0)
+            final = final or out_of_time  # the budget ends the run like its last step: evaluate, then save
             log, evaluate_now = step % cfg.log_every == 0 or final, step % cfg.eval_every == 0 or final
-            stopping = self._stop_agreed(stop, log)
+            stopping = self._agreed(stop.received is not None, log)
             save = step % cfg.checkpoint_every == 0 or final or stopping
             if not (log or evaluate_now or save):
                 continue
@@ -246,25 +304,35 @@ class _Loop:
             if stopping:
                 status, message = "interrupted", f"stopped by {stop.received}; checkpoint saved at step {step}"
                 break
+            if out_of_time:
+                message = (f"the time budget ({cfg.budget_seconds:g} s) ran out at step {step} of the planned "
+                           f"{cfg.max_steps}: the machine was slower than its probe")
+                break
         return self._finish(status, message)
 
-    def _stop_agreed(self, stop: StopRequest, log: bool) -> bool:
-        """Stop now? Alone: as soon as a signal came (read once: a later one is handled next step).
-        Distributed: at a log step once any rank got one, so all ranks save and leave together (agreeing every
-        step would cost a host sync per step)."""
+    def _agreed(self, wanted: bool, log: bool) -> bool:
+        """Stop now (a signal came, or the budget ran out)? Alone: as soon as it is wanted. Distributed: at a log
+        step once any rank wants it, so all ranks save and leave together (agreeing every step would cost a host
+        sync per step)."""
         if self.world_size == 1:
-            return stop.received is not None
-        return log and distributed.any_rank(stop.received is not None, self.device)
+            return wanted
+        return log and distributed.any_rank(wanted, self.device)
 
     def _paused(self, work: Callable[[], T]) -> T:
         start = time.perf_counter()
         result = work()
-        self.paused += time.perf_counter() - start
-        self.session_paused += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.paused += seconds
+        self.session_paused += seconds
+        self.budget.pause(seconds)
         return result
 
     def _wall_time(self) -> float:
         return self.start_wall + time.perf_counter() - self.session_start
+
+    def _train_time(self) -> float:
+        """Training seconds so far, across resumes, without evaluations and checkpoints."""
+        return self.start_train_time + time.perf_counter() - self.session_start - self.session_paused
 
     def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
         loss = (distributed.mean_across_ranks(self.window_loss) / self.state.window_steps).item()
@@ -277,7 +345,8 @@ class _Loop:
             return
         mfu = steps * self.step_flops / seconds / self.peak_flops if self.peak_flops else None
         self.logger.log({"kind": "train", "step": self.state.step, "tokens": self.state.tokens,
-                         "wall_time": self._wall_time(), "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                         "wall_time": self._wall_time(), "train_time": self._train_time(), "loss": loss, "lr": lr,
+                         "grad_norm": grad_norm.item(),
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
 
     def _evaluate(self) -> float | None:
@@ -293,7 +362,8 @@ class _Loop:
         if math.isfinite(val_loss) and (best is None or val_loss < best):
             self.state.best_val_loss = val_loss
         self.logger.log({"kind": "eval", "step": self.state.step, "tokens": self.state.tokens,
-                         "wall_time": self._wall_time(), "val_loss": val_loss, "val_ppl": perplexity(val_loss)})
+                         "wall_time": self._wall_time(), "train_time": self._train_time(), "val_loss": val_loss,
+                         "val_ppl": perplexity(val_loss)})
         self._plot()
         return val_loss
 
@@ -302,7 +372,8 @@ class _Loop:
         model, optimizer = distributed.checkpoint_sources(self.raw_model, self.optimizer)
         if self.logger is None:
             return
-        self.state.wall_time = self._wall_time()
+        self.state.wall_time, self.state.train_time = self._wall_time(), self._train_time()
+        self.state.budget_used = self.budget.used()
         self.state.window_loss_sum = self.window_loss.item()
         extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
         self.checkpoints.save(self.state.step, model, optimizer, config=self.config.to_dict(),
