@@ -64,17 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def resolve_model_config(args: argparse.Namespace):
     """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.config import RunConfig, apply_overrides, load_config
-    from scratchlm.errors import UserError
+    from scratchlm.compat.cs336_commands import shape_run_config
 
-    foreign = [item for item in args.overrides if not item.strip().startswith("model.")]
-    if foreign:
-        raise UserError(f"accounting only takes model.* overrides, got {foreign}")
-    if args.config is not None:
-        return load_config(args.config, args.overrides).model
-    values: dict[str, Any] = {"model": {"preset": args.preset}}
-    apply_overrides(values, args.overrides)
-    return RunConfig.from_dict(values).model
+    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
+    return shape_run_config(args.config, preset, args.overrides, "accounting").model
 
 
 def accounting_report(config, context: int, batch: int, dtype: str = "fp32", activation_model: str = "scratchlm",
