@@ -21,7 +21,13 @@ from scratchlm.accounting.memory import (
     time_to_train,
 )
 from scratchlm.accounting.op_study import time_interleaved
-from scratchlm.accounting.params_flops import count_params, forward_flops, training_step_flops
+from scratchlm.accounting.params_flops import (
+    count_params,
+    forward_flops,
+    matrix_table,
+    six_n_d_flops,
+    training_step_flops,
+)
 from scratchlm.cli import main
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.train.loss import cross_entropy
@@ -230,7 +236,10 @@ def test_cli_overrides_change_the_model(capsys):
     (["--set", "optim.lr=1"], "only takes model.* overrides"),
     (["--set", "model.widthh=3"], "widthh"),
     (["--memory", "80parsecs"], "memory size '80parsecs'"),
-    (["--tokens", "1e9"], "--tflops"),
+    (["--tokens", "1e9", "--tflops", "-1"], "peak_tflops > 0"),
+    (["--tokens", "1e9", "--steps", "10"], "not both"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--tokens", "nan"], "--tokens must be a finite positive number"),
     (["--batch", "0"], "positive"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
@@ -258,3 +267,61 @@ def test_bench_ops_help_states_the_warmup_that_time_interleaved_uses(capsys):
         main(["bench", "ops", "--help"])
     warmup = inspect.signature(time_interleaved).parameters["warmup"].default
     assert f"after {warmup} warm-up round" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("overrides", ABLATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "base")
+def test_matrix_table_adds_up_to_the_totals(overrides):
+    config = _config(overrides)
+    for batch, context in ((1, config.context_length), (3, 7)):
+        rows = matrix_table(config, context, batch)
+        assert sum(row.params for row in rows) == count_params(config).total
+        assert sum(row.forward_flops for row in rows) == forward_flops(config, context, batch).total
+    names = [row.name for row in rows]
+    expected_ffn = ["W1", "W2", "W3"] if config.ffn == "swiglu" else ["W1", "W2"]
+    assert [n for n in names if n.startswith("W")] == expected_ffn
+    assert {"Q", "K", "V", "O", "QKᵀ", "AV"} <= set(names) and names[-1].startswith("LM head")
+
+
+def test_matrix_table_rows_follow_the_matrix_shapes():
+    """Each row against its own formula: a d×d projection is d² parameters per layer and 2·B·T·d² FLOPs."""
+    config = ModelConfig.preset("gpt2-small")
+    batch, context = 2, 512
+    rows = {row.name: row for row in matrix_table(config, context, batch)}
+    L, d, f, V, h = config.num_layers, config.d_model, config.d_ff, config.vocab_size, config.num_heads
+    tokens = batch * context
+    for name in "QKVO":
+        assert (rows[name].params, rows[name].forward_flops) == (L * d * d, L * 2 * tokens * d * d)
+    for name in ("W1", "W2", "W3"):
+        assert (rows[name].params, rows[name].forward_flops) == (L * d * f, L * 2 * tokens * d * f)
+    per_head = 2 * context * context * (d // h)  # (T×d_k)·(d_k×T), one sequence, one head
+    assert rows["QKᵀ"].forward_flops == rows["AV"].forward_flops == L * batch * h * per_head
+    assert (rows["LM head"].params, rows["LM head"].forward_flops) == (V * d, 2 * tokens * d * V)
+    tied = {row.name: row for row in matrix_table(ModelConfig.preset("gpt2-small", tie_embeddings=True), 8)}
+    assert tied["LM head (tied)"].params == 0 and tied["LM head (tied)"].forward_flops == 2 * 8 * d * V
+
+
+def test_six_n_d_against_the_direct_formula_and_the_exact_count(capsys):
+    config = ModelConfig.preset("gpt2-xl")
+    steps, batch, context = 400_000, 1024, 1024
+    assert main(["accounting", "--preset", "gpt2-xl", "--batch", str(batch), "--steps", str(steps),
+                 "--tflops", "19.5", "--mfu", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    compute, tokens = report["training_compute"], steps * batch * context
+    n = 2_127_057_600
+    assert compute["tokens"] == tokens and six_n_d_flops(n, tokens) == 6 * n * tokens
+    assert compute["six_n_d_flops"] == pytest.approx(6 * n * tokens, rel=1e-12)
+    assert compute["six_n_d_non_embedding_flops"] == pytest.approx(6 * (n - 50257 * 1600) * tokens, rel=1e-12)
+    assert compute["exact_flops"] == pytest.approx(3 * forward_flops(config, context, batch).total * steps, rel=1e-12)
+    # 6N·D leaves out the T² attention core and charges the embedding lookup: within a few % at 1024 tokens
+    assert 0.9 < compute["six_n_d_flops"] / compute["exact_flops"] < 1.0
+    timing = report["time_to_train"]
+    assert timing["seconds"] == pytest.approx(compute["exact_flops"] / (19.5e12 * 0.5), rel=1e-9)
+    assert timing["years"] == pytest.approx(timing["days"] / 365.25)
+    assert sum(row["param_share"] for row in report["matrices"]) == pytest.approx(1.0)
+    assert sum(row["flop_share"] for row in report["matrices"]) == pytest.approx(1.0)
+
+
+def test_tokens_without_a_throughput_give_the_compute_only(capsys):
+    assert main(["accounting", "--preset", "tiny", "--tokens", "1e6"]) == 0
+    out = capsys.readouterr().out
+    assert "6·N·D" in out and "time to train" not in out and "W3 ×L" in out

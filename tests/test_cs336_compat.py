@@ -182,3 +182,65 @@ def test_tokenizer_adapters(tmp_path):
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
     assert [vocab[i] for i in ids].count(b"<|endoftext|>") == 1  # the special token is one id, never split
+
+
+# Defaults in the course file (every other parameter is required).
+COURSE_DEFAULTS = {("run_scaled_dot_product_attention", "mask"): None,
+                   ("run_multihead_self_attention_with_rope", "token_positions"): None,
+                   ("get_tokenizer", "special_tokens"): None}
+
+
+def _written_adapters(tmp_path, capsys):
+    """`scratchlm cs336 adapters` to stdout, imported as a module from the file a student would write."""
+    import importlib.util
+
+    from scratchlm.cli import main
+
+    assert main(["cs336", "adapters"]) == 0
+    path = tmp_path / "adapters.py"
+    path.write_text(capsys.readouterr().out)
+    spec = importlib.util.spec_from_file_location("written_adapters", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_written_adapters_module_has_the_course_names_parameters_and_defaults(tmp_path, capsys):
+    adapters = _written_adapters(tmp_path, capsys)
+    written = {name for name, value in vars(adapters).items()
+               if inspect.isfunction(value) and value.__module__ == adapters.__name__}
+    assert written == set(SIGNATURES)
+    for name, expected in SIGNATURES.items():
+        parameters = inspect.signature(getattr(adapters, name)).parameters
+        assert list(parameters) == expected, name
+        for parameter in parameters.values():
+            default = COURSE_DEFAULTS.get((name, parameter.name), inspect.Parameter.empty)
+            assert parameter.default is default, (name, parameter.name)
+    assert inspect.signature(adapters.run_train_bpe).parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_written_adapters_run(tmp_path, capsys):
+    from scratchlm.model import ModelConfig, TransformerLM
+
+    adapters = _written_adapters(tmp_path, capsys)
+    x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
+    torch.testing.assert_close(adapters.run_linear(8, 3, w, x), F.linear(x, w))
+    logits = torch.randn(6, 11) * 20
+    targets = torch.randint(0, 11, (6,))
+    torch.testing.assert_close(adapters.run_cross_entropy(logits, targets), F.cross_entropy(logits, targets))
+    config = ModelConfig.preset("tiny")
+    model = TransformerLM(config)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    got = adapters.run_transformer_lm(config.vocab_size, config.context_length, config.d_model, config.num_layers,
+                                      config.num_heads, config.d_ff, config.rope_theta, model.state_dict(), ids)
+    torch.testing.assert_close(got, model(ids))
+    assert adapters.get_adamw_cls() is cs336.get_adamw_cls()
+
+
+def test_adapters_out_writes_the_same_text(tmp_path, capsys):
+    from scratchlm.cli import main
+
+    main(["cs336", "adapters"])
+    printed = capsys.readouterr().out
+    assert main(["cs336", "adapters", "--out", str(tmp_path / "a.py")]) == 0
+    assert (tmp_path / "a.py").read_text() == printed

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "scratchlm.experiments.commands",
     "scratchlm.accounting.commands",
     "scratchlm.compat.commands",
+    "scratchlm.compat.cs336_commands",
 ]
 
 

@@ -2,19 +2,25 @@
 
 `accounting` prints parameters, forward/training FLOPs and training memory by component for a preset or a TOML
 config (with dotted `--set model.key=value` overrides), the largest batch for `--memory`, and the time to train
-`--tokens` at `--tflops` × `--mfu` or at `--tokens-per-second`; `--json` prints the same as one JSON object.
+`--tokens` (or `--steps` of batch × context tokens) at `--tflops` × `--mfu` or at `--tokens-per-second`, in
+days and years; a per-matrix table (Q, K, V, O, QKᵀ, AV, W1, W2, W3, LM head: parameters and forward FLOPs with
+their shares); and the training compute both exactly (3 × forward) and by the 6·N·D rule of thumb. `--json`
+prints the same as one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 ACCOUNTING_EPILOG = """examples:
   scratchlm accounting --preset gpt2-xl --context 1024 --batch 4 --memory 80GB --tflops 989 --mfu 0.4 --tokens 10e9
   scratchlm accounting --preset gpt2-xl --context 16384 --dtype bf16
+  scratchlm accounting --preset gpt2-xl --batch 1024 --steps 400000 --tflops 19.5 --mfu 0.5   # CS336 adamwAccounting
   scratchlm accounting --config configs/tinystories-cpu.toml --set model.d_model=768 --json"""
 
 
@@ -34,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     acc.add_argument("--activations", choices=("scratchlm", "cs336"), default="scratchlm",
                      help="activation model: what our code saves (default) or the CS336 exercise's count")
     acc.add_argument("--memory", help="device memory, e.g. 80GB or 80GiB: report the largest batch that fits")
-    acc.add_argument("--tokens", type=float, help="training tokens, for the time to train (e.g. 10e9)")
+    acc.add_argument("--tokens", type=float, help="training tokens, for the compute and time to train (e.g. 10e9)")
+    acc.add_argument("--steps", type=int, help="training steps of --batch × --context tokens (instead of --tokens)")
     acc.add_argument("--tflops", type=float, help="peak TFLOP/s of the device (e.g. 989 for H100 bf16 dense)")
     acc.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization for --tflops (default 0.4)")
     acc.add_argument("--tokens-per-second", type=float, help="measured throughput instead of --tflops × --mfu")
@@ -57,28 +64,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def resolve_model_config(args: argparse.Namespace):
     """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.config import RunConfig, apply_overrides, load_config
-    from scratchlm.errors import UserError
+    from scratchlm.compat.cs336_commands import shape_run_config
 
-    foreign = [item for item in args.overrides if not item.strip().startswith("model.")]
-    if foreign:
-        raise UserError(f"accounting only takes model.* overrides, got {foreign}")
-    if args.config is not None:
-        return load_config(args.config, args.overrides).model
-    values: dict[str, Any] = {"model": {"preset": args.preset}}
-    apply_overrides(values, args.overrides)
-    return RunConfig.from_dict(values).model
+    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
+    return shape_run_config(args.config, preset, args.overrides, "accounting").model
 
 
 def accounting_report(config, context: int, batch: int, dtype: str = "fp32", activation_model: str = "scratchlm",
                       memory: str | None = None, tokens: float | None = None, tflops: float | None = None,
-                      mfu: float = 0.4, tokens_per_second: float | None = None) -> dict[str, Any]:
-    """Everything `scratchlm accounting` shows, as a JSON-ready dict."""
-    from scratchlm.accounting.memory import estimate_memory, max_batch_size, parse_memory, time_to_train
+                      mfu: float = 0.4, tokens_per_second: float | None = None,
+                      steps: int | None = None) -> dict[str, Any]:
+    """Everything `scratchlm accounting` shows, as a JSON-ready dict. `steps` means `steps × batch × context`
+    training tokens (give it or `tokens`); the time to train needs `tflops` (× `mfu`) or `tokens_per_second`."""
+    from scratchlm.accounting.memory import (
+        estimate_memory,
+        max_batch_size,
+        parse_memory,
+        time_to_train,
+        training_flops_per_token,
+    )
     from scratchlm.accounting.params_flops import (
         ADAMW_FLOPS_PER_PARAM,
         count_params,
         forward_flops,
+        matrix_table,
+        six_n_d_flops,
         training_step_flops,
     )
 
@@ -91,6 +101,8 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
                    "non_embedding": config.non_embedding_params(params.total)},
         "forward_flops": {**flops.by_component(), "total": flops.total},
         "forward_flop_shares": flops.shares(),
+        "matrices": [{**asdict(row), "param_share": row.params / params.total,
+                      "flop_share": row.forward_flops / flops.total} for row in matrix_table(config, context, batch)],
         "training_step_flops": {"forward": step.forward, "backward": step.backward, "optimizer": step.optimizer,
                                 "total": step.total, "adamw_flops_per_param": ADAMW_FLOPS_PER_PARAM},
         "memory_bytes": {"activation_model": activation_model, **estimate.breakdown(), "static": estimate.static,
@@ -100,13 +112,25 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
         available = parse_memory(memory)
         report["max_batch"] = {"memory_bytes": available, **{
             name: max_batch_size(config, context, available, dtype, name) for name in ("scratchlm", "cs336")}}
+    if steps is not None and tokens is not None:
+        raise ValueError("give --tokens or --steps, not both")
+    if steps is not None:
+        if steps <= 0:
+            raise ValueError(f"--steps must be positive, got {steps}")
+        tokens = steps * batch * context
     if tokens is not None:
-        if tokens_per_second is None and tflops is None:
-            raise ValueError("--tokens needs --tflops (with --mfu) or --tokens-per-second")
+        if not 0 < tokens < math.inf:  # also refuses nan
+            raise ValueError(f"--tokens must be a finite positive number, got {tokens}")
+        report["training_compute"] = {
+            "tokens": tokens, "steps": steps,
+            "exact_flops": tokens * training_flops_per_token(config, context),
+            "six_n_d_flops": six_n_d_flops(params.total, tokens),
+            "six_n_d_non_embedding_flops": six_n_d_flops(config.non_embedding_params(params.total), tokens)}
+    if tokens is not None and (tokens_per_second is not None or tflops is not None):
         timing = time_to_train(config, context, tokens, tokens_per_second=tokens_per_second,
                                peak_tflops=None if tokens_per_second else tflops, mfu=mfu)
         report["time_to_train"] = {"tokens": tokens, "tokens_per_second": timing.tokens_per_second,
-                                   "seconds": timing.seconds, "days": timing.days,
+                                   "seconds": timing.seconds, "days": timing.days, "years": timing.years,
                                    "basis": "tokens/s" if tokens_per_second else f"{tflops} TFLOP/s x MFU {mfu}"}
     return report
 
@@ -119,7 +143,7 @@ def run_accounting_command(args: argparse.Namespace) -> int:
     if context <= 0 or args.batch <= 0:
         raise UserError(f"--context and --batch must be positive, got {context} and {args.batch}")
     report = accounting_report(config, context, args.batch, args.dtype, args.activations, args.memory,
-                               args.tokens, args.tflops, args.mfu, args.tokens_per_second)
+                               args.tokens, args.tflops, args.mfu, args.tokens_per_second, args.steps)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -149,7 +173,7 @@ def format_report(report: dict[str, Any]) -> str:
     step = report["training_step_flops"]
     lines += [f"  {'total':<18}{_human(flops['total']):>14}",
               f"  training step ≈ 3 × forward + AdamW ({step['adamw_flops_per_param']} FLOPs/param): "
-              f"{_human(step['total'], 'FLOPs')}", "",
+              f"{_human(step['total'], 'FLOPs')}", "", *format_matrices(report["matrices"]), "",
               f"memory ({report['memory_bytes']['activation_model']} activation model){'':<2}{'bytes':>12}"]
     skipped = {"activation_model", "static", "activations", "total"}
     for name, value in report["memory_bytes"].items():
@@ -162,11 +186,28 @@ def format_report(report: dict[str, Any]) -> str:
         fit = report["max_batch"]
         lines += ["", f"largest batch in {_human(fit['memory_bytes'], 'B')}: {fit['scratchlm']} (what our code "
                       f"saves), {fit['cs336']} (CS336 exercise count)"]
+    if "training_compute" in report:
+        c = report["training_compute"]
+        steps = f" ({c['steps']:,} steps of {report['batch']} × {report['context']})" if c["steps"] else ""
+        lines += ["", f"training compute for {_human(c['tokens'])} tokens{steps}:",
+                  f"  {c['exact_flops']:.3e} FLOPs exactly (3 × forward); 6·N·D = {c['six_n_d_flops']:.3e} "
+                  f"(× {c['six_n_d_flops'] / c['exact_flops']:.3f}), with non-embedding N "
+                  f"{c['six_n_d_non_embedding_flops']:.3e}"]
     if "time_to_train" in report:
         t = report["time_to_train"]
-        lines += ["", f"time to train {_human(t['tokens'])} tokens at {_human(t['tokens_per_second'])} tokens/s "
-                      f"({t['basis']}): {t['seconds'] / 3600:,.1f} h = {t['days']:,.2f} days"]
+        lines += [f"time to train at {_human(t['tokens_per_second'])} tokens/s ({t['basis']}): "
+                  f"{t['seconds'] / 3600:,.1f} h = {t['days']:,.2f} days = {t['years']:,.3f} years"]
     return "\n".join(lines)
+
+
+def format_matrices(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-matrix table: every weight matrix and matmul (all layers; ×L marks the per-layer ones)."""
+    lines = [f"{'matrix / matmul':<17}{'shape':<26}{'params':>15}{'share':>8}{'forward FLOPs':>15}{'share':>8}"]
+    for row in rows:
+        name = f"{row['name']} ×L" if row["per_layer"] else row["name"]
+        lines.append(f"  {name:<15}{row['shape']:<26}{row['params']:>15,}{row['param_share']:>8.2%}"
+                     f"{_human(row['forward_flops']):>15}{row['flop_share']:>8.2%}")
+    return lines
 
 
 def run_bench_ops_command(args: argparse.Namespace) -> int:

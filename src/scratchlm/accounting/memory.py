@@ -196,6 +196,10 @@ class TrainingTime:
     def days(self) -> float:
         return self.seconds / 86_400
 
+    @property
+    def years(self) -> float:
+        return self.days / 365.25  # Julian years
+
 
 def training_flops_per_token(config: ModelConfig, context: int) -> float:
     """3 × forward FLOPs per token (AdamW's per-step cost is amortized over a batch and left out)."""

@@ -136,3 +136,44 @@ def flops_share_table(presets: list[str], contexts: list[int]) -> list[dict]:
             rows.append({"preset": name, "context": context, "params": count_params(config).total,
                          "forward_flops": flops.total, "shares": flops.shares()})
     return rows
+
+
+@dataclass(frozen=True)
+class MatrixCost:
+    """One weight matrix or matmul of the model: its shape, parameters and forward FLOPs over all layers."""
+
+    name: str
+    shape: str  # the operand shapes, as the handout writes them
+    per_layer: bool  # repeated in each of the L layers (the counts below are for all of them)
+    params: int
+    forward_flops: int
+
+
+def matrix_table(config: ModelConfig, context: int, batch: int = 1) -> list[MatrixCost]:
+    """Every matrix and matmul of the model, one row each (Q, K, V, O, QKᵀ, AV, W1, W2, W3, LM head), plus the
+    FLOP-free rows that hold parameters (embeddings, norms), so that the rows add up to `count_params(...).total`
+    and `forward_flops(...).total`: the handout's per-matrix accounting, by one shared set of formulas."""
+    params, flops = count_params(config), forward_flops(config, context, batch)
+    d, f, layers, v = config.d_model, config.d_ff, config.num_layers, config.vocab_size
+    proj_flops = flops.attention_proj // 4  # Q, K, V and O are each d×d
+    ffn_names = ("W1", "W2", "W3") if config.ffn == "swiglu" else ("W1", "W2")
+    ffn_shapes = {"W1": f"d_ff×d = {f}×{d}", "W2": f"d×d_ff = {d}×{f}", "W3": f"d_ff×d = {f}×{d}"}
+    dk = config.head_dim
+    rows = [MatrixCost("embeddings", f"V×d = {v}×{d}", False, params.embeddings, 0)]
+    rows += [MatrixCost(name, f"d×d = {d}×{d}", True, layers * d * d, proj_flops) for name in "QKV"]
+    rows += [MatrixCost("QKᵀ", f"h × (T×{dk})·({dk}×T)", True, 0, flops.attention_scores),
+             MatrixCost("AV", f"h × (T×T)·(T×{dk})", True, 0, flops.attention_values),
+             MatrixCost("O", f"d×d = {d}×{d}", True, layers * d * d, proj_flops)]
+    rows += [MatrixCost(name, ffn_shapes[name], True, layers * d * f, flops.ffn // len(ffn_names))
+             for name in ffn_names]
+    rows += [MatrixCost("norms", f"{norm_params(config)} per norm, 2L + 1 norms", True,
+                        params.norms + params.final_norm, 0),
+             MatrixCost("LM head" + (" (tied)" if config.tie_embeddings else ""), f"V×d = {v}×{d}", False,
+                        params.lm_head, flops.lm_head)]
+    return rows
+
+
+def six_n_d_flops(params: int, tokens: float) -> float:
+    """The rule-of-thumb training cost 6·N·D: 2 FLOPs per parameter per token forward, 4 backward. It leaves out
+    the T² attention core and counts the embedding lookup as a matmul; `3 × forward` is the exact count."""
+    return 6 * params * tokens

@@ -14,6 +14,8 @@ import codecs
 import sys
 from pathlib import Path
 
+from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
+
 EOS_TOKEN = "<|endoftext|>"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # names as in train.dtype -> torch dtype names
 
@@ -21,7 +23,8 @@ EPILOG = """examples:
   scratchlm generate --checkpoint runs/demo --prompt "Once upon a time" --max-new-tokens 256
   scratchlm generate --checkpoint runs/demo --temperature 0 --prompt "Lily saw"       # greedy
   scratchlm generate --checkpoint runs/demo --num-samples 3 --seed 0 --top-k 50
-  scratchlm generate --checkpoint runs/demo --dtype bf16                             # bf16 weights"""
+  scratchlm generate --checkpoint runs/demo --dtype bf16                             # bf16 weights
+  scratchlm generate --cs336-checkpoint ckpt.pt --preset tinystories-17m --tokenizer tok/   # a CS336 model"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with a trained model: temperature, top-k and nucleus (top-p) sampling, a KV "
                     "cache, stops at <|endoftext|>. An empty prompt starts a new document (<|endoftext|>).")
-    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    parser.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="token budget per sample (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
@@ -44,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
                              "on the hardware)")
+    add_cs336_checkpoint_arguments(parser)
     parser.set_defaults(func=run_generate)
 
 
@@ -52,14 +56,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from scratchlm.errors import UserError
     from scratchlm.generate.sampling import stream
-    from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.setup import select_device
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
-    model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
+    model, config = load_model_for_command(args, device=select_device(args.device))
     model.to(getattr(torch, DTYPES[args.dtype]))
-    tokenizer = _load_tokenizer(args.tokenizer or config.data.tokenizer, args.checkpoint)
+    tokenizer = _load_tokenizer(args.tokenizer or config.data.tokenizer, args.checkpoint or args.cs336_checkpoint)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}: "
                         f"is --tokenizer the one this model was trained with?")
@@ -98,7 +101,7 @@ def _load_tokenizer(directory: str | Path | None, checkpoint: Path):
     from scratchlm.tokenizer import Tokenizer
 
     if directory is None:
-        raise UserError(f"the run at {checkpoint} records no tokenizer (data.tokenizer); pass --tokenizer DIR")
+        raise UserError(f"{checkpoint} records no tokenizer (a run's data.tokenizer); pass --tokenizer DIR")
     if not Path(directory).is_dir():
         raise UserError(f"tokenizer directory {directory} not found (from the run's data.tokenizer or --tokenizer)")
     return Tokenizer.load(directory)

@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
+
 TRAIN_EPILOG = """examples:
   scratchlm train --config configs/tiny.toml --set data.train_path=train.tok --set data.val_path=valid.tok
   scratchlm train --config configs/tinystories-cpu.toml --set optim.lr=3e-3 --run-dir runs/lr3e-3
@@ -42,11 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a token file",
                                      description="Evaluate a checkpoint (or a run's newest valid one) on any token "
                                                  "file written by `scratchlm data encode`.")
-    evaluate.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    evaluate.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
     evaluate.add_argument("--data", required=True, type=Path, help="token file to evaluate on")
     evaluate.add_argument("--batches", type=int, help="evaluate only the first N batches (default: whole file)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
     evaluate.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
+    add_cs336_checkpoint_arguments(evaluate)  # --cs336-checkpoint FILE + its shape, to compare a course model
     evaluate.set_defaults(func=run_eval)
 
 
@@ -96,7 +99,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from scratchlm.data.token_file import open_token_file
     from scratchlm.errors import UserError
-    from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.loss import perplexity
     from scratchlm.train.setup import select_device
     from scratchlm.train.step import evaluate
@@ -104,7 +106,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or (args.batches is not None and args.batches < 1):
         raise UserError("--batch-size and --batches must be positive")
     device = select_device(args.device)
-    model, config = load_for_inference(args.checkpoint, device=device)
+    model, config = load_model_for_command(args, device=device)
     model.check_inputs = False  # the token file is checked against the vocabulary below
     tokens = open_token_file(args.data, vocab_size=config.model.vocab_size).tokens
     if len(tokens) < config.model.context_length + 1:
