@@ -1,0 +1,173 @@
+"""Hostile files are refused before any work: one line naming the file, exit status 1, and every file that existed
+before the command is byte-identical afterwards (nothing lost, nothing silently wrong)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from scratchlm.cli import main
+from scratchlm.compat.commands import export_hf
+from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.tokenizer import Tokenizer
+
+pytest.importorskip("transformers")
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"scratchlm {command}: error:"), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ import hf
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    """A small exported Hugging Face Llama folder (untied), made once and copied per test."""
+    torch.manual_seed(0)
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size))
+    folder = tmp_path_factory.mktemp("hf") / "model"
+    export_hf(model, tokenizer, folder)
+    return folder
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text()) | changes
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def _rewrite_header(folder: Path, edit) -> None:
+    """Replace the JSON header of model.safetensors by edit(header), keeping the data bytes."""
+    raw = (folder / "model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.dumps(edit(json.loads(raw[8:8 + length]))).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length:])
+
+
+def _first_tensor(header: dict) -> str:
+    return next(name for name in header if name != "__metadata__")
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _huge_header_length(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**40) + path.read_bytes()[8:])
+
+
+def _distinct_tied_head(folder: Path) -> None:
+    _edit_config(folder, tie_word_embeddings=True)
+    _edit_tensors(folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
+
+
+def _shape_lie(header: dict) -> dict:
+    header[_first_tensor(header)]["shape"][0] += 1
+    return header
+
+
+def _integer_weights(header: dict) -> dict:
+    entry = header["model.norm.weight"]
+    entry["dtype"] = "I32"  # F32 and I32 have the same size: only the dtype is wrong
+    return header
+
+
+IMPORT_CASES = {
+    "vocab_size_float": (lambda f: _edit_config(f, vocab_size=2e7),
+                         "config.json: Validation error for field 'vocab_size'"),
+    "vocab_size_huge": (lambda f: _edit_config(f, vocab_size=20_000_000), "--max-gib"),
+    "vocab_size_1e12": (lambda f: _edit_config(f, vocab_size=10**12), "--max-gib"),
+    "context_huge": (lambda f: _edit_config(f, max_position_embeddings=10**6), "--max-gib"),
+    "context_1e12": (lambda f: _edit_config(f, max_position_embeddings=10**12), "too large to build"),
+    "heads_zero": (lambda f: _edit_config(f, num_attention_heads=0), "num_attention_heads must be"),
+    "config_not_json": (lambda f: (f / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    "config_a_list": (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: a JSON list"),
+    "hidden_size_mismatch": (lambda f: _edit_config(f, intermediate_size=96), "config.json implies"),
+    "truncated_weights": (_truncate, "model.safetensors: header describes"),
+    "empty_weights": (lambda f: (f / "model.safetensors").write_bytes(b""), "too short for a safetensors file"),
+    "huge_header_length": (_huge_header_length, "model.safetensors: header claims"),
+    "header_not_json": (lambda f: _rewrite_header(f, lambda h: None) or (f / "model.safetensors").write_bytes(
+        struct.pack("<Q", 4) + b"{{{{"), "not valid JSON"),
+    "shape_lies_about_bytes": (lambda f: _rewrite_header(f, _shape_lie), "needs"),
+    "integer_weights": (lambda f: _rewrite_header(f, _integer_weights), "model.norm.weight' is I32"),
+    "extra_tensor": (lambda f: _edit_tensors(f, lambda t: t.update({"extra.weight": torch.zeros(3)})),
+                     "extra.weight"),
+    "missing_tensor": (lambda f: _edit_tensors(f, lambda t: t.pop("model.norm.weight")), "model.safetensors lack tensor 'model.norm.weight'"),
+    "tied_head_differs": (_distinct_tied_head, "lm_head.weight"),
+    "index_escapes_folder": (lambda f: (f / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "../model.safetensors"}})), "not a file name inside"),
+    "index_not_json": (lambda f: (f / "model.safetensors.index.json").write_text("nope"),
+                       "model.safetensors.index.json: not a safetensors index"),
+    "tokenizer_json_broken": (lambda f: (f / "tokenizer.json").write_text('{"model": {"type": "BPE"}, '
+                                                                          '"pre_tokenizer": {"type": "ByteLevel"}}'),
+                              "tokenizer.json: not a readable tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPORT_CASES))
+def test_import_hf_refuses_hostile_folder_in_one_line(tmp_path, hf_folder, capsys, case):
+    damage, message = IMPORT_CASES[case]
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder, folder)
+    damage(folder)
+    before = _snapshot(tmp_path)
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 1
+    err = _one_line_error(capsys, "import")
+    assert message in err, err
+    if case == "tied_head_differs":
+        assert "model.embed_tokens.weight" in err
+    assert _snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+def test_import_hf_accepts_tied_head_equal_to_embedding(tmp_path, hf_folder):
+    """The benign twin of the tied-head case: a separate lm_head that equals the embedding is not a loss."""
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder, folder)
+    _edit_config(folder, tie_word_embeddings=True)
+    _edit_tensors(folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 0
+
+
+def test_import_hf_max_gib_flag_lifts_the_limit(tmp_path, hf_folder, capsys):
+    """The cap is a limit, not a wall: a tiny --max-gib refuses the small model, and the error says which flag."""
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder, folder)
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "a"), "--max-gib", "1e-6"]) == 1
+    assert "--max-gib" in _one_line_error(capsys, "import")
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "b"), "--max-gib", "1"]) == 0
+
+
+def test_safetensors_header_reader_agrees_with_the_library(hf_folder):
+    """Oracle: our header parser and the safetensors library see the same names, dtypes and shapes."""
+    from safetensors import safe_open
+
+    from scratchlm.compat.safetensors_header import read_safetensors_header
+
+    ours = read_safetensors_header(hf_folder / "model.safetensors")
+    with safe_open(hf_folder / "model.safetensors", "pt") as handle:
+        theirs = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert {name: entry.shape for name, entry in ours.items()} == theirs
