@@ -103,7 +103,7 @@ IMPORT_CASES = {
     "vocab_size_1e12": (lambda f: _edit_config(f, vocab_size=10**12), "--max-gib"),
     "context_huge": (lambda f: _edit_config(f, max_position_embeddings=10**6), "--max-gib"),
     "context_1e12": (lambda f: _edit_config(f, max_position_embeddings=10**12), "too large to build"),
-    "heads_zero": (lambda f: _edit_config(f, num_attention_heads=0), "num_attention_heads must be"),
+    "heads_zero": (lambda f: _edit_config(f, num_attention_heads=0), "config.json: integer modulo by zero"),
     "config_not_json": (lambda f: (f / "config.json").write_text("{not json"), "config.json: not valid JSON"),
     "config_a_list": (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: a JSON list"),
     "hidden_size_mismatch": (lambda f: _edit_config(f, intermediate_size=96), "config.json implies"),
@@ -116,7 +116,8 @@ IMPORT_CASES = {
     "integer_weights": (lambda f: _rewrite_header(f, _integer_weights), "model.norm.weight' is I32"),
     "extra_tensor": (lambda f: _edit_tensors(f, lambda t: t.update({"extra.weight": torch.zeros(3)})),
                      "extra.weight"),
-    "missing_tensor": (lambda f: _edit_tensors(f, lambda t: t.pop("model.norm.weight")), "model.safetensors lack tensor 'model.norm.weight'"),
+    "missing_tensor": (lambda f: _edit_tensors(f, lambda t: t.pop("model.norm.weight")),
+                       "model.safetensors lack tensor 'model.norm.weight'"),
     "tied_head_differs": (_distinct_tied_head, "lm_head.weight"),
     "index_escapes_folder": (lambda f: (f / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "../model.safetensors"}})), "not a file name inside"),

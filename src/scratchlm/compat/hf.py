@@ -76,8 +76,6 @@ def to_hf_llama_config(cfg: ModelConfig):
 def hf_config_to_model_config(hf_cfg) -> ModelConfig:
     """ModelConfig of a Hugging Face LlamaConfig; refuses GQA, biases, RoPE scaling and non-SiLU activations."""
     heads, kv_heads = hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", None)
-    if not isinstance(heads, int) or heads <= 0:
-        raise ValueError(f"num_attention_heads must be a positive integer, got {heads!r}")
     problems = []
     if kv_heads not in (None, heads):
         problems.append(f"grouped-query attention (num_key_value_heads={kv_heads} != num_attention_heads={heads})")
