@@ -70,6 +70,7 @@ def export_hf(model, tokenizer, out: Path) -> None:
     from safetensors.torch import save_file
 
     from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+    from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
     hf_config = to_hf_llama_config(cfg)  # refuses non-Llama architectures with a clear error
@@ -78,11 +79,14 @@ def export_hf(model, tokenizer, out: Path) -> None:
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
     hf_config.bos_token_id = hf_config.eos_token_id = eos_id
     hf_config.architectures = ["LlamaForCausalLM"]
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config.save_pretrained(out)
     tensors = {name: t.detach().cpu().contiguous() for name, t in to_hf_state_dict(model.state_dict(), cfg).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf_tokenizer(tokenizer).save_pretrained(out)
+    with made_folder(out):  # a failed export (a full disk) leaves no half-written folder behind
+        with naming(out / "config.json"):
+            hf_config.save_pretrained(out)
+        with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with naming(out / "tokenizer.json"):
+            hf_tokenizer(tokenizer).save_pretrained(out)
 
 
 def hf_tokenizer(tokenizer):

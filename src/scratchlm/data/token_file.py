@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scratchlm.write_errors import naming
+
 MAGIC = b"SCRLMTOK"
 TOKEN_FILE_VERSION = 1
 HEADER = struct.Struct("<8sIIQQ32s")
@@ -90,7 +92,9 @@ class TokenFileWriter:
             bad = low if low < 0 else high
             position = self.num_tokens + int(np.argmax(tokens == bad))
             raise ValueError(f"token id {bad} at position {position} is outside the vocab (0..{self.vocab_size - 1})")
-        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        data = tokens.astype(self.dtype, copy=False).tobytes()
+        with naming(self.path, len(data)):
+            self._file.write(data)
         self.num_tokens += tokens.size
 
     def close(self) -> Path:
@@ -103,15 +107,16 @@ class TokenFileWriter:
         if self._file.closed:
             raise ValueError(f"token file writer for {self.path} was aborted or failed: nothing was written")
         try:
-            self._file.seek(0)
-            self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
-                                         self.num_tokens, self.tokenizer_hash))
-            self._file.flush()
-            if self.durable:
-                os.fsync(self._file.fileno())
-            self._file.close()
-            os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
-            os.replace(self._temporary, self.path)
+            with naming(self.path):
+                self._file.seek(0)
+                self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
+                                             self.num_tokens, self.tokenizer_hash))
+                self._file.flush()
+                if self.durable:
+                    os.fsync(self._file.fileno())
+                self._file.close()
+                os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
+                os.replace(self._temporary, self.path)
         except BaseException:
             self.abort()
             raise
@@ -120,7 +125,10 @@ class TokenFileWriter:
 
     def abort(self) -> None:
         """Drop everything written so far."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # flushing the buffer failed (full disk): those bytes are being dropped anyway
+            pass
         self._temporary.unlink(missing_ok=True)
 
     def __enter__(self) -> TokenFileWriter:
