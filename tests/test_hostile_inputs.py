@@ -3,10 +3,14 @@ before the command is byte-identical afterwards (nothing lost, nothing silently 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +176,59 @@ def test_safetensors_header_reader_agrees_with_the_library(hf_folder):
     with safe_open(hf_folder / "model.safetensors", "pt") as handle:
         theirs = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     assert {name: entry.shape for name, entry in ours.items()} == theirs
+
+
+# ------------------------------------------------------------------------------------------------ full disk, closed pipe
+
+def _disk_full(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_during_tokenizer_save_names_the_file_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("low lower lowest newer newest wider " * 50, encoding="utf-8")
+    before = _snapshot(tmp_path)
+    monkeypatch.setattr(os, "fsync", _disk_full)  # every durable write ends in fsync: the disk fills there
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "270", "--out",
+                 str(tmp_path / "new" / "tok"), "--quiet"]) == 1
+    err = _one_line_error(capsys, "tokenizer")
+    assert f"{tmp_path / 'new' / 'tok' / 'tokenizer.json'}: No space left on device (writing " in err, err
+    assert "bytes free on that filesystem" in err
+    assert _snapshot(tmp_path) == before and not (tmp_path / "new").exists()
+
+
+def test_full_disk_during_encode_names_the_output(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 100, encoding="utf-8")
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], []).save(tmp_path / "tok")
+    before = _snapshot(tmp_path)
+    monkeypatch.setattr(os, "fsync", _disk_full)
+    assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(corpus), "--out",
+                 str(tmp_path / "corpus.tok"), "--workers", "1", "--quiet"]) == 1
+    assert f"{tmp_path / 'corpus.tok'}: No space left on device" in _one_line_error(capsys, "data")
+    assert _snapshot(tmp_path) == before
+
+
+def test_full_disk_while_appending_metrics_names_metrics_jsonl(tmp_path):
+    from scratchlm.train.metrics import MetricsLogger
+    from scratchlm.write_errors import describe_os_error
+
+    logger = MetricsLogger(tmp_path, total_steps=1, quiet=True)
+    logger._file.write = _disk_full
+    with pytest.raises(OSError) as caught:
+        logger.log({"kind": "eval", "step": 1, "val_loss": 1.0, "val_ppl": 2.7})
+    assert describe_os_error(caught.value).startswith(f"{tmp_path / 'metrics.jsonl'}: No space left on device")
+
+
+def test_generate_into_a_closed_pipe_exits_quietly(tmp_path, hf_folder):
+    """`scratchlm generate | head -c 1`: the reader leaves early; generate ends with status 0 and no traceback."""
+    assert main(["import", "hf", "--model", str(hf_folder), "--out", str(tmp_path / "run")]) == 0
+    command = [sys.executable, "-m", "scratchlm.cli", "generate", "--checkpoint", str(tmp_path / "run"),
+               "--max-new-tokens", "200", "--num-samples", "50", "--temperature", "1.0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+    process.stdout.read(1)
+    process.stdout.close()  # like head after its first byte
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, stderr
+    assert "Broken pipe" not in stderr and "Traceback" not in stderr, stderr
