@@ -178,7 +178,7 @@ def test_safetensors_header_reader_agrees_with_the_library(hf_folder):
     assert {name: entry.shape for name, entry in ours.items()} == theirs
 
 
-# ------------------------------------------------------------------------------------------------ full disk, closed pipe
+# ---------------------------------------------------------------------------------------- full disk, closed pipe
 
 def _disk_full(*_args, **_kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -232,3 +232,17 @@ def test_generate_into_a_closed_pipe_exits_quietly(tmp_path, hf_folder):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 0, stderr
     assert "Broken pipe" not in stderr and "Traceback" not in stderr, stderr
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00binary\x80\n", b"\x00\x01\x02\x03\n"])
+def test_report_on_a_binary_metrics_line_names_the_file_and_line(tmp_path, capsys, garbage):
+    run = tmp_path / "run"
+    run.mkdir()
+    good = json.dumps({"kind": "train", "step": 1, "loss": 3.0}).encode() + b"\n"
+    (run / "metrics.jsonl").write_bytes(good + garbage + good)
+    before = _snapshot(tmp_path)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 1
+    assert f"{run / 'metrics.jsonl'}:2: " in _one_line_error(capsys, "report")
+    assert _snapshot(tmp_path) == before

@@ -19,6 +19,7 @@ that the size matches the header exactly, so truncated and foreign files are ref
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import struct
 import tempfile
@@ -125,10 +126,8 @@ class TokenFileWriter:
 
     def abort(self) -> None:
         """Drop everything written so far."""
-        try:
+        with contextlib.suppress(OSError):  # flushing the buffer failed (full disk): those bytes are dropped anyway
             self._file.close()
-        except OSError:  # flushing the buffer failed (full disk): those bytes are being dropped anyway
-            pass
         self._temporary.unlink(missing_ok=True)
 
     def __enter__(self) -> TokenFileWriter:
