@@ -36,6 +36,7 @@ HEADER = struct.Struct("<8sIIQQ32s")
 HEADER_SIZE = 64
 assert HEADER.size <= HEADER_SIZE
 _NO_HASH = bytes(32)
+SCAN_CHUNK = 1 << 24  # ids per chunk of the out-of-vocab scan: 32-64 MiB of memmap at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -166,7 +167,9 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
                     tokenizer_hash: str | None = None) -> TokenFile:
     """Memory-map a token file, checking it is complete and (optionally) made for this vocab and tokenizer.
 
-    ``vocab_size``: the file's vocab size must not exceed it (every id then indexes an embedding of that size).
+    ``vocab_size``: the file's vocab size must not exceed it, and every id in the body must be below the file's
+    vocab size (a scan of the whole body, in chunks): a damaged body is refused here, naming the position, not
+    deep inside an embedding lookup.
     ``tokenizer_hash``: must equal the hash the file recorded.
     """
     path = Path(path)
@@ -185,6 +188,8 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
     if version != TOKEN_FILE_VERSION:
         raise ValueError(f"{path}: unsupported token file version {version} (this scratchlm reads "
                          f"version {TOKEN_FILE_VERSION})")
+    if not 0 < stored_vocab <= 2**32:
+        raise ValueError(f"{path}: header says vocab size {stored_vocab}, outside 1..2**32 (a damaged header)")
     dtype = token_dtype(stored_vocab)
     if itemsize != dtype.itemsize:
         raise ValueError(f"{path}: header says {itemsize}-byte ids, but vocab size {stored_vocab} needs {dtype}")
@@ -198,7 +203,19 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
         tokens = np.zeros(0, dtype=dtype)
     else:
         tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(num_tokens,))
+    if vocab_size is not None:
+        check_ids_below(path, tokens, stored_vocab)
     return TokenFile(path, tokens, stored_vocab, found_hash, num_tokens, dtype)
+
+
+def check_ids_below(path: Path, tokens: np.ndarray, limit: int) -> None:
+    """ValueError naming the first id >= limit and its position; a vectorised max per chunk, bounded memory."""
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = tokens[start:start + SCAN_CHUNK]
+        if int(chunk.max()) >= limit:
+            offset = int(np.argmax(chunk >= limit))
+            raise ValueError(f"{path}: token id {int(chunk[offset])} at position {start + offset:,} is outside the "
+                             f"file's vocab (0..{limit - 1}): the file is damaged; re-encode it")
 
 
 def _check_expectations(path: Path, stored_vocab: int, stored_hash: str | None, vocab_size: int | None,
