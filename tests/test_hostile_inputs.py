@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,32 @@ def test_report_on_a_binary_metrics_line_names_the_file_and_line(tmp_path, capsy
     assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 1
     assert f"{run / 'metrics.jsonl'}:2: " in _one_line_error(capsys, "report")
     assert _snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------ killed encode
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL and /proc children: Linux")
+def test_sigkilled_encode_takes_its_workers_along_and_the_next_run_removes_its_leftovers(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    corpus = tmp_path / "corpus.txt"  # lines of words: the encode cuts ranges at line breaks, one per task
+    corpus.write_text("".join(f"word{(i * 7919) % 500} word{i % 37}.\n" for i in range(300_000)), encoding="utf-8")
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], []).save(tmp_path / "tok")
+    out = tmp_path / "corpus.tok"
+    command = [sys.executable, "-m", "scratchlm.cli", "data", "encode", "--tokenizer", str(tmp_path / "tok"),
+               "--out", str(out), "--workers", "2", "--quiet", "--input", str(corpus)]
+    parent = subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    for _ in range(600):  # until both workers run and a part file exists
+        workers = psutil.Process(parent.pid).children()
+        if len(workers) >= 2 and list(tmp_path.glob(".corpus.tok.parts.*/*")):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the encode never started its workers")
+    parent.kill()
+    parent.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"workers outlived their killed parent: {alive}"
+    assert list(tmp_path.glob(".corpus.tok*"))  # the kill left parts behind (no clean-up runs on SIGKILL)
+    assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "tok" /
+                 "tokenizer.json"), "--out", str(out), "--quiet"]) == 0
+    assert not list(tmp_path.glob(".corpus.tok*")) and out.is_file()

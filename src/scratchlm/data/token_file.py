@@ -77,7 +77,9 @@ class TokenFileWriter:
             raise FileNotFoundError(f"cannot write token file {self.path}: folder {self.path.parent} does not exist")
         if self.path.is_dir():
             raise IsADirectoryError(f"cannot write token file {self.path}: it is a folder")
-        handle, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
+        # The pid in the name lets a later encode remove this file when its writer was killed (see data/encode.py).
+        handle, name = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=".partial",
+                                        dir=self.path.parent)
         self._temporary = Path(name)
         self._file = os.fdopen(handle, "wb")
         self._file.write(bytes(HEADER_SIZE))  # all zero (no magic) until close: never looks complete
