@@ -215,3 +215,24 @@ def test_rendered_report_screenshot(runs, tmp_path):
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert data.startswith(b"\x89PNG") and (width, height) == (1280, 1600)
     assert len(data) > 50_000  # a blank page compresses to a few KB; curves and a table do not
+
+
+def test_an_eval_after_the_end_record_is_not_the_final_loss(tmp_path):
+    run = make_run(tmp_path, "run", final_loss=2.0)
+    final = load_run(run).final_val_loss
+    with open(run / "metrics.jsonl", "a") as metrics:
+        metrics.write(json.dumps({"kind": "eval", "step": 50, "val_loss": 0.001, "val_ppl": 1.001}) + "\n")
+    loaded = load_run(run)
+    assert loaded.final_val_loss == final and [r["val_loss"] for r in loaded.late_evals] == [0.001]
+
+
+def test_a_metrics_file_that_lacks_the_start_of_the_run_is_reported_as_such(tmp_path):
+    """metrics.jsonl deleted, then the run resumed at step 30: the report must not pass it off as a whole run."""
+    run = make_run(tmp_path, "run", final_loss=2.0)
+    assert load_run(run).missing_start is None
+    metrics = run / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] > 30]
+    metrics.write_text("\n".join(kept) + "\n")
+    assert load_run(run).missing_start == 31
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "finished (metrics.jsonl starts at step 31)" in (tmp_path / "out" / "report.md").read_text()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from scratchlm.errors import UserError
+from scratchlm.write_errors import describe_os_error
 
 # Pipeline order: what `scratchlm --help` lists, top to bottom.
 COMMAND_MODULES = [
@@ -47,12 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UserError, OSError, ValueError) as error:  # OSError: missing file, a folder given for a file, full disk
+    except BrokenPipeError:  # the reader left (`generate | head`): stop quietly, as head's other writers do
+        _silence_stdout()
+        return 0
+    except OSError as error:  # missing file, a folder given for a file, full disk: named by the library
+        print(f"scratchlm {args.command}: error: {describe_os_error(error)}", file=sys.stderr)
+        return 1
+    except (UserError, ValueError) as error:
         print(f"scratchlm {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"scratchlm {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not hit the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

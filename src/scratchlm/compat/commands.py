@@ -17,6 +17,9 @@ import json
 from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
+DEFAULT_MAX_GIB = 8.0  # import hf refuses a model whose build would allocate more (--max-gib)
+# Tensors some Llama checkpoints carry that our model recomputes (RoPE frequencies): not weights, nothing lost.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "of a matching architecture into a run directory.")
     hf.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
     hf.add_argument("--out", required=True, type=Path, help="run directory to create")
+    hf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
+                    help=f"refuse a config.json whose model would allocate more than this many GiB before its "
+                         f"weights are checked (default {DEFAULT_MAX_GIB:g})")
     hf.set_defaults(func=run_import_hf)
 
 
@@ -64,6 +70,7 @@ def export_hf(model, tokenizer, out: Path) -> None:
     from safetensors.torch import save_file
 
     from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+    from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
     hf_config = to_hf_llama_config(cfg)  # refuses non-Llama architectures with a clear error
@@ -72,11 +79,14 @@ def export_hf(model, tokenizer, out: Path) -> None:
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
     hf_config.bos_token_id = hf_config.eos_token_id = eos_id
     hf_config.architectures = ["LlamaForCausalLM"]
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config.save_pretrained(out)
     tensors = {name: t.detach().cpu().contiguous() for name, t in to_hf_state_dict(model.state_dict(), cfg).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf_tokenizer(tokenizer).save_pretrained(out)
+    with made_folder(out):  # a failed export (a full disk) leaves no half-written folder behind
+        with naming(out / "config.json"):
+            hf_config.save_pretrained(out)
+        with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        with naming(out / "tokenizer.json"):
+            hf_tokenizer(tokenizer).save_pretrained(out)
 
 
 def hf_tokenizer(tokenizer):
@@ -121,7 +131,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
     if (run_dir / "checkpoints").exists():
         raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
-    model = read_hf_llama(model_dir)
+    model = read_hf_llama(model_dir, max_gib=args.max_gib)
     tokenizer = read_hf_tokenizer(model_dir)
     checkpoint = write_run(model, tokenizer, run_dir)
     note = "" if tokenizer else f" (no byte-level BPE tokenizer in {model_dir}: pass --tokenizer to generate)"
@@ -129,55 +139,173 @@ def run_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_hf_llama(model_dir: Path):
-    """A TransformerLM with the weights of a Hugging Face Llama folder (safetensors only)."""
-    from transformers import AutoConfig
+def read_hf_llama(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB):
+    """A TransformerLM with the weights of a Hugging Face Llama folder (safetensors only).
 
-    from scratchlm.compat.hf import from_hf_state_dict, hf_config_to_model_config
+    Order matters: config.json is checked and the model's size estimated on the meta device, then every weights
+    file's header is checked against the file's size and against the shapes the config implies, and only then
+    is a model built and are weights read: a hostile folder costs no memory and no time before its error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from scratchlm.compat.hf import from_hf_state_dict
     from scratchlm.model import TransformerLM
     from scratchlm.train.checkpoint_state import load_model_state
 
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if hf_config.model_type != "llama":
-        raise ValueError(f"{model_dir}/config.json: model_type {hf_config.model_type!r} is not 'llama'; only "
-                         f"Llama checkpoints of a matching architecture can be imported")
-    try:
-        cfg = hf_config_to_model_config(hf_config)
-    except ValueError as error:
-        raise ValueError(f"{model_dir}/config.json: {error}") from None
+    cfg = _read_model_config(model_dir / "config.json")
+    expected = _expected_hf_tensors(cfg, model_dir / "config.json", max_gib)
+    shards = _shard_files(model_dir)
+    declared = _declared_tensors(shards)
+    _check_declared(declared, expected, cfg, where=", ".join(str(shard) for shard in shards))
+    tensors = {}
+    for shard in shards:
+        try:
+            tensors.update(load_file(str(shard)))
+        except SafetensorError as error:  # the header was fine; the library still refuses: name the file
+            raise ValueError(f"{shard}: cannot read safetensors file ({error})") from None
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        _check_tied_head(tensors, declared)
     model = TransformerLM(cfg)
-    load_model_state(model, from_hf_state_dict(_read_safetensors(model_dir), cfg), where=str(model_dir))
+    load_model_state(model, from_hf_state_dict(tensors, cfg), where=str(model_dir))
     return model.eval()
 
 
-def _read_safetensors(model_dir: Path) -> dict:
-    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
-    from safetensors.torch import load_file
+def _read_model_config(path: Path):
+    """config.json as our ModelConfig; every JSON, type or architecture problem is a ValueError naming the file."""
+    from transformers import AutoConfig
 
+    from scratchlm.compat.hf import hf_config_to_model_config
+
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: a JSON {type(document).__name__}, not an object")
+    if document.get("model_type") != "llama":
+        raise ValueError(f"{path}: model_type {document.get('model_type')!r} is not 'llama'; only Llama "
+                         f"checkpoints of a matching architecture can be imported")
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 transformers validates with its own exception types (strict dataclasses)
+        raise ValueError(f"{path}: {' '.join(str(error).split())}") from None
+    try:
+        return hf_config_to_model_config(hf_config)
+    except (ValueError, TypeError, ZeroDivisionError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def _expected_hf_tensors(cfg, config_path: Path, max_gib: float) -> dict:
+    """{HF name: shape} of the model `cfg` describes, sized on the meta device (no memory); refuses a model whose
+    build would allocate more than `max_gib` GiB (float32 weights plus RoPE tables and causal masks)."""
+    from scratchlm.compat.hf import to_hf_state_dict
+    from scratchlm.model import TransformerLM
+
+    try:
+        sized = TransformerLM(cfg, device="meta")
+    except RuntimeError as error:  # e.g. a context length whose causal mask overflows a size computation
+        raise ValueError(f"{config_path}: describes a model too large to build ({error})") from None
+    tensors = list(sized.parameters()) + list(sized.buffers())
+    gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    if gib > max_gib:
+        raise ValueError(f"{config_path}: building this model (vocab_size {cfg.vocab_size:,}, context "
+                         f"{cfg.context_length:,}, d_model {cfg.d_model:,}, {cfg.num_layers} layers) would "
+                         f"allocate {gib:,.1f} GiB, over the --max-gib limit of {max_gib:g}; raise it if you mean it")
+    return {name: tuple(t.shape) for name, t in to_hf_state_dict(sized.state_dict(), cfg).items()}
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists (each a plain file in `model_dir`)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in model_dir.iterdir())
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors (found {found}); only safetensors weights "
-                                f"are read (pickle-based .bin files are refused)")
-    tensors = {}
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map of file names): "
+                             f"{type(error).__name__}: {error}") from None
+        bad = [name for name in names if not isinstance(name, str) or Path(name).name != name]
+        if bad:
+            raise ValueError(f"{index}: shard {bad[0]!r} is not a file name inside {model_dir}")
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard {missing[0]} which is not in {model_dir}")
+        return [model_dir / name for name in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    found = sorted(p.name for p in model_dir.iterdir())
+    raise FileNotFoundError(f"{model_dir} has no model.safetensors (found {found}); only safetensors weights "
+                            f"are read (pickle-based .bin files are refused)")
+
+
+def _declared_tensors(shards: list[Path]) -> dict:
+    """{tensor name: (shard, TensorEntry)} over all shards; a name in two shards is an error."""
+    from scratchlm.compat.safetensors_header import read_safetensors_header
+
+    declared = {}
     for shard in shards:
-        tensors.update(load_file(str(model_dir / shard)))
-    return tensors
+        for name, entry in read_safetensors_header(shard).items():
+            if name in declared:
+                raise ValueError(f"{shard}: tensor {name!r} is also in {declared[name][0]}")
+            declared[name] = (shard, entry)
+    return declared
+
+
+def _check_declared(declared: dict, expected: dict, cfg, where: str) -> None:
+    """Every expected tensor is declared with its shape and a float dtype; nothing is declared that would be lost."""
+    from scratchlm.compat.safetensors_header import FLOAT_DTYPES
+
+    for name, shape in expected.items():
+        if name not in declared:
+            raise ValueError(f"{where} lack tensor {name!r} that config.json's model needs "
+                             f"({len(set(expected) - set(declared))} missing)")
+        shard, entry = declared[name]
+        if entry.shape != shape:
+            raise ValueError(f"{shard}: tensor {name!r} has shape {entry.shape} but config.json implies {shape}")
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{shard}: tensor {name!r} is {entry.dtype}; weights must be one of "
+                             f"{sorted(FLOAT_DTYPES)}")
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unused = sorted(name for name in set(declared) - set(expected) - tied_head
+                    if not name.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ValueError(f"{declared[unused[0]][0]}: holds {len(unused)} tensors a Llama of this config has no "
+                         f"place for, e.g. {unused[:3]} (importing would drop them)")
+    if "lm_head.weight" in tied_head & set(declared):
+        shard, entry = declared["lm_head.weight"]
+        if entry.shape != expected["model.embed_tokens.weight"]:
+            raise ValueError(f"{shard}: config.json ties the embeddings but lm_head.weight has shape {entry.shape}, "
+                             f"model.embed_tokens.weight {expected['model.embed_tokens.weight']}")
+
+
+def _check_tied_head(tensors: dict, declared: dict) -> None:
+    """tie_word_embeddings with a separate lm_head: fine when it equals the embedding, else the head would be lost."""
+    import torch
+
+    head, embedding = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+    if not torch.equal(head.float(), embedding.float()):
+        raise ValueError(f"config.json sets tie_word_embeddings, but lm_head.weight ({declared['lm_head.weight'][0]}) "
+                         f"differs from model.embed_tokens.weight ({declared['model.embed_tokens.weight'][0]}): "
+                         f"importing would drop the head; set tie_word_embeddings to false to keep it")
 
 
 def read_hf_tokenizer(model_dir: Path):
     """Our Tokenizer from a byte-level BPE `tokenizer.json`, or None when the folder has none we can read."""
-    from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
-
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         return None
-    document = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return _parse_hf_tokenizer(path, json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # ValueError: JSON, bytes, tokenizer checks
+        if str(error).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a readable tokenizer.json ({type(error).__name__}: {error})") from None
+
+
+def _parse_hf_tokenizer(path: Path, document: dict):
+    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
+
     model = document.get("model") or {}
     if model.get("type") != "BPE" or (document.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
         return None

@@ -20,11 +20,15 @@ Design:
 from __future__ import annotations
 
 import codecs
+import ctypes
 import gc
 import multiprocessing
+import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -89,7 +93,9 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
     out = Path(out)
     total_bytes = sum(path.stat().st_size for path in paths)
     ranges = _plan_ranges(paths, tokenizer, workers)
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.", dir=_existing_parent(out)))
+    _remove_orphaned_parts(_existing_parent(out), out.name)
+    # The pid in the name tells a later run whether the encode that made this folder is still alive.
+    parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.{os.getpid()}.", dir=out.parent))
     try:
         tasks = [_Task(path, start, end, parts_dir / f"{index:06d}.tok", errors)
                  for index, (path, start, end) in enumerate(ranges)]
@@ -112,6 +118,28 @@ def _checked_input(path: str | Path) -> Path:
     return path
 
 
+def _remove_orphaned_parts(folder: Path, name: str) -> None:
+    """Delete what earlier encodes into `name` left when killed by SIGKILL (which runs no clean-up): the part
+    folder ``.NAME.parts.PID.*`` and the unfinished output ``.NAME.PID.*.partial``, when process PID is gone."""
+    for leftover in [*folder.glob(f".{name}.parts.*"), *folder.glob(f".{name}.*.partial")]:
+        pid = leftover.name.removeprefix(f".{name}.").removeprefix("parts.").split(".")[0]
+        if pid.isdigit() and not _is_alive(int(pid)):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _existing_parent(out: Path) -> Path:
     if not out.parent.is_dir():
         raise FileNotFoundError(f"cannot write {out}: folder {out.parent} does not exist")
@@ -131,7 +159,7 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
             return
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
-                                 initargs=(tokenizer,)) as pool:
+                                 initargs=(tokenizer, os.getpid())) as pool:
             try:
                 for task in pool.map(_encode_range_in_worker, tasks):
                     bar.update(task.end - task.start)
@@ -144,14 +172,35 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
+def _init_worker(tokenizer: Tokenizer, parent: int) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
+    _die_with_parent(parent)
     # A worker's objects are the tokenizer's caches (str -> tuple of ints) and id lists: no reference cycles,
     # so the cyclic collector would only re-scan the growing caches (~3% of an encode, measured).
     gc.disable()
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker ends when the encode that started it dies, even by SIGKILL (which runs no clean-up): otherwise
+    it would wait on the task queue forever. Linux: the kernel sends SIGKILL (PR_SET_PDEATHSIG); elsewhere a
+    daemon thread notices the new parent pid within a second."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before the prctl took effect
+                os._exit(1)
+            return
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _encode_range_in_worker(task: _Task) -> _Task:

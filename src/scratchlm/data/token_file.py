@@ -19,6 +19,7 @@ that the size matches the header exactly, so truncated and foreign files are ref
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import struct
 import tempfile
@@ -27,12 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+from scratchlm.write_errors import naming
+
 MAGIC = b"SCRLMTOK"
 TOKEN_FILE_VERSION = 1
 HEADER = struct.Struct("<8sIIQQ32s")
 HEADER_SIZE = 64
 assert HEADER.size <= HEADER_SIZE
 _NO_HASH = bytes(32)
+SCAN_CHUNK = 1 << 24  # ids per chunk of the out-of-vocab scan: 32-64 MiB of memmap at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -73,7 +77,9 @@ class TokenFileWriter:
             raise FileNotFoundError(f"cannot write token file {self.path}: folder {self.path.parent} does not exist")
         if self.path.is_dir():
             raise IsADirectoryError(f"cannot write token file {self.path}: it is a folder")
-        handle, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
+        # The pid in the name lets a later encode remove this file when its writer was killed (see data/encode.py).
+        handle, name = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=".partial",
+                                        dir=self.path.parent)
         self._temporary = Path(name)
         self._file = os.fdopen(handle, "wb")
         self._file.write(bytes(HEADER_SIZE))  # all zero (no magic) until close: never looks complete
@@ -90,7 +96,9 @@ class TokenFileWriter:
             bad = low if low < 0 else high
             position = self.num_tokens + int(np.argmax(tokens == bad))
             raise ValueError(f"token id {bad} at position {position} is outside the vocab (0..{self.vocab_size - 1})")
-        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        data = tokens.astype(self.dtype, copy=False).tobytes()
+        with naming(self.path, len(data)):
+            self._file.write(data)
         self.num_tokens += tokens.size
 
     def close(self) -> Path:
@@ -103,15 +111,16 @@ class TokenFileWriter:
         if self._file.closed:
             raise ValueError(f"token file writer for {self.path} was aborted or failed: nothing was written")
         try:
-            self._file.seek(0)
-            self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
-                                         self.num_tokens, self.tokenizer_hash))
-            self._file.flush()
-            if self.durable:
-                os.fsync(self._file.fileno())
-            self._file.close()
-            os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
-            os.replace(self._temporary, self.path)
+            with naming(self.path):
+                self._file.seek(0)
+                self._file.write(HEADER.pack(MAGIC, TOKEN_FILE_VERSION, self.dtype.itemsize, self.vocab_size,
+                                             self.num_tokens, self.tokenizer_hash))
+                self._file.flush()
+                if self.durable:
+                    os.fsync(self._file.fileno())
+                self._file.close()
+                os.chmod(self._temporary, 0o666 & ~_current_umask())  # mkstemp made it owner-only
+                os.replace(self._temporary, self.path)
         except BaseException:
             self.abort()
             raise
@@ -120,7 +129,8 @@ class TokenFileWriter:
 
     def abort(self) -> None:
         """Drop everything written so far."""
-        self._file.close()
+        with contextlib.suppress(OSError):  # flushing the buffer failed (full disk): those bytes are dropped anyway
+            self._file.close()
         self._temporary.unlink(missing_ok=True)
 
     def __enter__(self) -> TokenFileWriter:
@@ -159,7 +169,9 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
                     tokenizer_hash: str | None = None) -> TokenFile:
     """Memory-map a token file, checking it is complete and (optionally) made for this vocab and tokenizer.
 
-    ``vocab_size``: the file's vocab size must not exceed it (every id then indexes an embedding of that size).
+    ``vocab_size``: the file's vocab size must not exceed it, and every id in the body must be below the file's
+    vocab size (a scan of the whole body, in chunks): a damaged body is refused here, naming the position, not
+    deep inside an embedding lookup.
     ``tokenizer_hash``: must equal the hash the file recorded.
     """
     path = Path(path)
@@ -178,6 +190,8 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
     if version != TOKEN_FILE_VERSION:
         raise ValueError(f"{path}: unsupported token file version {version} (this scratchlm reads "
                          f"version {TOKEN_FILE_VERSION})")
+    if not 0 < stored_vocab <= 2**32:
+        raise ValueError(f"{path}: header says vocab size {stored_vocab}, outside 1..2**32 (a damaged header)")
     dtype = token_dtype(stored_vocab)
     if itemsize != dtype.itemsize:
         raise ValueError(f"{path}: header says {itemsize}-byte ids, but vocab size {stored_vocab} needs {dtype}")
@@ -191,7 +205,19 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
         tokens = np.zeros(0, dtype=dtype)
     else:
         tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(num_tokens,))
+    if vocab_size is not None:
+        check_ids_below(path, tokens, stored_vocab)
     return TokenFile(path, tokens, stored_vocab, found_hash, num_tokens, dtype)
+
+
+def check_ids_below(path: Path, tokens: np.ndarray, limit: int) -> None:
+    """ValueError naming the first id >= limit and its position; a vectorised max per chunk, bounded memory."""
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = tokens[start:start + SCAN_CHUNK]
+        if int(chunk.max()) >= limit:
+            offset = int(np.argmax(chunk >= limit))
+            raise ValueError(f"{path}: token id {int(chunk[offset])} at position {start + offset:,} is outside the "
+                             f"file's vocab (0..{limit - 1}): the file is damaged; re-encode it")
 
 
 def _check_expectations(path: Path, stored_vocab: int, stored_hash: str | None, vocab_size: int | None,

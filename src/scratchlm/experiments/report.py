@@ -158,7 +158,8 @@ def _delta(row: Row) -> str:
 
 
 def _status(run: RunRecord) -> str:
-    return "DIVERGED" if run.status == "diverged" else run.status
+    status = "DIVERGED" if run.status == "diverged" else run.status
+    return status if run.missing_start is None else f"{status} (metrics.jsonl starts at step {run.missing_start})"
 
 
 def _diff_text(diff: dict[str, tuple[Any, Any]]) -> str:
@@ -171,8 +172,8 @@ def _cells(row: Row) -> list[str]:
             _delta(row), _num(run.tokens_per_s, 0), _num(run.wall_time, 1)]
 
 
-NOTE = ("Final val loss: the last evaluation (none for a diverged run). Δ vs baseline: final val loss minus the "
-        "baseline's (negative is better). tokens/s: median over logged steps.")
+NOTE = ("Final val loss: the last evaluation before the run's end record (none for a diverged run). Δ vs baseline: "
+        "final val loss minus the baseline's (negative is better). tokens/s: median over logged steps.")
 HEADER = ["run", "status", "steps", "final val loss", "val ppl", "Δ vs baseline", "tokens/s", "wall time (s)"]
 
 

@@ -37,6 +37,8 @@ class RunRecord:
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
+    # Evaluations written after the end record (e.g. an eval appended to a finished run): shown, never "final".
+    late_evals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -69,6 +71,19 @@ class RunRecord:
         return int(max(candidates)) if candidates else 0
 
     @property
+    def missing_start(self) -> int | None:
+        """The first logged step when metrics.jsonl lacks the run's start (deleted, then resumed), else None.
+
+        A complete file logs its first record at step min(log_every, eval_every, last step); the config says
+        which (the trainer's defaults when it does not)."""
+        steps = [r["step"] for r in (*self.train, *self.evals)]
+        if not steps:
+            return None
+        expected = min(int(self.config.get("train.log_every", 10)), int(self.config.get("train.eval_every", 100)),
+                       self.steps)
+        return min(steps) if min(steps) > expected else None
+
+    @property
     def wall_time(self) -> float:
         times = [float(r["wall_time"]) for r in (*self.train, *self.evals) if r.get("wall_time") is not None]
         return max(times) if times else math.nan
@@ -92,7 +107,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file; a truncated final line (a killed writer) is dropped."""
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {raw[error.start]:#04x}): a binary or damaged "
+                         f"line") from None
     lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -181,7 +202,7 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunRecord:
         if entry["kind"] == "train":
             record.train.append(entry)
         elif entry["kind"] == "eval":
-            record.evals.append(entry)
+            (record.late_evals if record.end else record.evals).append(entry)
         elif entry["kind"] == "end":
             record.end = entry
     return record

@@ -26,6 +26,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+from scratchlm.write_errors import made_folder, naming
+
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 TOKENIZER_FILE = "tokenizer.json"
@@ -275,15 +277,18 @@ def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, spe
     string to one id, so a vocab where two ids hold the same bytes (say a one-character special token) gets no
     GPT-2 pair (a warning says so; stale ones are removed) rather than one that silently drops an id.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    with made_folder(directory) as directory:
+        return _write_tokenizer_files(directory, vocab, merges, special_tokens)
+
+
+def _write_tokenizer_files(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> Path:
     ids = invert_vocab(vocab)
     _write_atomic(directory / TOKENIZER_FILE, _scratchlm_json(vocab, ids, merges, special_tokens))
     if len(ids) < len(vocab):  # some ids share bytes
         for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
             (directory / name).unlink(missing_ok=True)
         warnings.warn(f"{directory}: no {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} written: GPT-2's format cannot hold "
-                      f"two ids with the same bytes ({TOKENIZER_FILE} holds the whole tokenizer)", stacklevel=2)
+                      f"two ids with the same bytes ({TOKENIZER_FILE} holds the whole tokenizer)", stacklevel=3)
         return directory
     gpt2_vocab = {_to_gpt2_string(vocab[token_id]): token_id for token_id in sorted(vocab)}
     gpt2_merges = "".join(f"{_to_gpt2_string(a)} {_to_gpt2_string(b)}\n" for a, b in merges)
@@ -306,9 +311,16 @@ def _scratchlm_json(vocab: Vocab, ids: dict[bytes, int], merges: Merges, special
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write via PATH.tmp + rename; a failure (a full disk) removes the .tmp and names `path`."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    data = text.encode("utf-8")
+    with naming(path, len(data)):  # outside the clean-up: the free space it reports is without the .tmp
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise

@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from scratchlm.experiments.runs import read_metrics
+from scratchlm.write_errors import naming
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -57,8 +58,10 @@ class MetricsLogger:
         summary = describe(record)  # before _json_safe: a non-finite value is a float here, a string after
         record = {key: _json_safe(value) for key, value in record.items()}
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        with naming(self.path, len(line)):
+            self._file.write(line)
+            self._file.flush()
         if self._wandb is not None and record["kind"] != "end":
             self._wandb.log({f"{record['kind']}/{k}": v for k, v in record.items() if k not in ("kind", "step")},
                             step=record["step"])
