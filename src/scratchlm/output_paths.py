@@ -5,8 +5,8 @@ The rules every writing command follows (data encode, tokenizer train, export hf
   --force or not; so is one inside an input folder, unless the command writes only new names there (report);
 - an existing folder that holds files is refused without --force, unless it is this command's own earlier
   output (``ours``: a file only that command writes, such as sweep.json);
-- a folder the command created is removed again when the command fails, so a refused or failed command leaves
-  nothing behind.
+- the folders a command creates are removed again when it fails, so a refused or failed command leaves nothing
+  behind.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 from scratchlm.errors import UserError
 
 
-def _same(a: Path, b: Path) -> bool:
+def same_path(a: Path, b: Path) -> bool:
+    """Do ``a`` and ``b`` name one file or folder (after symlinks and `..`, or as hard links)?"""
     if a.resolve() == b.resolve():
         return True
     try:
@@ -30,14 +31,14 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def _inside(inner: Path, outer: Path) -> bool:
-    return inner.resolve().is_relative_to(outer.resolve()) and not _same(inner, outer)
+    return inner.resolve().is_relative_to(outer.resolve()) and not same_path(inner, outer)
 
 
 def refuse_inputs(out: Path, inputs: Iterable[Path], *, flag: str = "--out", inside_ok: bool = False) -> None:
     """Refuse an output that is, contains or (unless ``inside_ok``) lies inside one of ``inputs``."""
     for source in inputs:
         source = Path(source)
-        if _same(out, source):
+        if same_path(out, source):
             raise UserError(f"{flag} {out} is the input {source}: writing it would destroy the input; "
                             f"choose another {flag}")
         if _inside(source, out):
@@ -77,12 +78,11 @@ def remove_empty(folders: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def created_folder(out: Path, *, keep_results: bool = False) -> Iterator[Path]:
-    """Create ``out`` (and missing parents) for the block. If the block fails, the folders created here are
-    removed with what was written into them, or only when empty with ``keep_results`` (a sweep whose first
-    points finished keeps them)."""
+def removed_on_failure(out: Path, *, keep_results: bool = False) -> Iterator[Path]:
+    """For a block that creates ``out``: if it fails, ``out`` and the parents it created are removed with what
+    was written into them, or only when empty with ``keep_results`` (a sweep whose first points finished keeps
+    them). A folder that existed before the block is never removed."""
     missing = missing_folders(out)
-    out.mkdir(parents=True, exist_ok=True)
     try:
         yield out
     except BaseException:
