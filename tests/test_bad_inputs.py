@@ -123,7 +123,7 @@ def test_data_encode(world, tmp_path, capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--input", "{T}/corpus.txt", "--out", "{T}/tokA"], "--out {T}/tokA already holds files"),  # runs use it
-    (["--input", "{T}/corpus.txt", "--out", "{T}/corpus.txt"], "--out {T}/corpus.txt is the input"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/corpus.txt"], "--out {T}/corpus.txt is a file"),
     (["--input", "{T}/corpus.txt", "--out", "{T}", "--force"], "--out {T} holds the input {T}/corpus.txt"),
     (["--input", "{T}/tokA/vocab.json", "--out", "{T}/tokA", "--force"], "holds the input {T}/tokA/vocab.json"),
     (["--input", "{T}/corpus.txt", "--out", "{T}/new/tok", "--vocab-size", "10"], "vocab"),

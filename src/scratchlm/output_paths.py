@@ -50,7 +50,7 @@ def refuse_inputs(out: Path, inputs: Iterable[Path], *, flag: str = "--out", ins
 def refuse_foreign_folder(out: Path, *, force: bool, flag: str = "--out", ours: tuple[str, ...] = ()) -> None:
     """Refuse a file at ``out``, or a folder holding files, unless ``force`` or it holds one of ``ours``."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"{flag} {out} is a file; give a folder")
+        raise UserError(f"{flag} {out} is a file; give a folder to write into")
     if force or not out.is_dir():
         return
     names = sorted(p.name for p in out.iterdir())

@@ -68,8 +68,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     # Before training, not after it. An existing tokenizer may be the one runs and token files were made with.
     out = Path(args.out)
-    refuse_inputs(out, [Path(path) for path in args.input])
     refuse_foreign_folder(out, force=args.force)
+    refuse_inputs(out, [Path(path) for path in args.input])
     show_progress = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
