@@ -260,7 +260,7 @@ def test_only_rank_0_writes(spawned):
     assert (spawned / "exit_rank0").read_text() == (spawned / "exit_rank1").read_text() == "0"
     assert not (spawned / "run_rank1").exists()
     run = spawned / "run_rank0"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.json", "step_0000002",
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [".save.lock", "best.json", "step_0000002",
                                                                         "step_0000004"]
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]  # one writer: every step logged once
     assert metrics(run)[-1]["tokens"] == 4 * 4 * 16 * WORLD_SIZE  # steps x batch x context x ranks

@@ -89,6 +89,7 @@ class DataConfig:
     train_path: str = ""  # token file written by `scratchlm data encode`
     val_path: str = ""  # "" disables evaluation
     tokenizer: str | None = None  # tokenizer directory: its hash is checked against the token files
+    tokenizer_hash: str | None = None  # recorded by train (Tokenizer.hash); generate/eval/export/--resume check it
     batch_size: int = 32  # sequences per optimizer step (split into train.grad_accum_steps micro-batches)
 
     def __post_init__(self) -> None:
@@ -196,7 +197,17 @@ class RunConfig:
         return RunConfig.from_dict(values)
 
     def save_toml(self, path: str | Path) -> None:
-        Path(path).write_text(to_toml(self.to_dict()), encoding="utf-8")
+        Path(path).write_text(RESOLVED_HEADER + to_toml(self.to_dict()), encoding="utf-8")
+
+
+# First line of every config.toml that train writes: a file without it is the user's, never to be overwritten.
+RESOLVED_HEADER = "# resolved config written by scratchlm (every setting; edits are kept only in your own file)\n"
+
+
+def is_resolved_config(path: str | Path) -> bool:
+    """Was ``path`` written by ``save_toml`` (so a run may rewrite it)?"""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.readline() == RESOLVED_HEADER
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

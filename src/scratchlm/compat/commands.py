@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "transformers' AutoModelForCausalLM / AutoTokenizer load offline.")
     hf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
     hf.add_argument("--out", required=True, type=Path, help="output folder")
-    hf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's data.tokenizer)")
+    hf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
+    hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
     hf.set_defaults(func=run_export_hf)
 
     imp = subparsers.add_parser("import", help="import a checkpoint from another format",
@@ -45,22 +46,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
                     help=f"refuse a config.json whose model would allocate more than this many GiB before its "
                          f"weights are checked (default {DEFAULT_MAX_GIB:g})")
+    hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
     hf.set_defaults(func=run_import_hf)
 
 
 # ---------------------------------------------------------------------------------------------------- export
 
 def run_export_hf(args: argparse.Namespace) -> int:
-    from scratchlm.errors import UserError
-    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
     from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
 
+    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
+    refuse_foreign_folder(args.out, force=args.force)
     model, config = load_for_inference(args.checkpoint)
-    tokenizer_dir = args.tokenizer or config.data.tokenizer
-    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
-        raise UserError(f"no tokenizer directory to export (run's data.tokenizer = {config.data.tokenizer!r}); "
-                        f"pass --tokenizer DIR")
-    export_hf(model, Tokenizer.load(tokenizer_dir), args.out)
+    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+    with removed_on_failure(args.out):
+        export_hf(model, tokenizer, args.out)
     print(f"wrote {args.out}/: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
     return 0
 
@@ -125,15 +127,19 @@ def hf_tokenizer(tokenizer):
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     model_dir, run_dir = args.model, args.out
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
+    refuse_inputs(run_dir, [model_dir])
     if (run_dir / "checkpoints").exists():
         raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
+    refuse_foreign_folder(run_dir, force=args.force)
     model = read_hf_llama(model_dir, max_gib=args.max_gib)
     tokenizer = read_hf_tokenizer(model_dir)
-    checkpoint = write_run(model, tokenizer, run_dir)
+    with removed_on_failure(run_dir):
+        checkpoint = write_run(model, tokenizer, run_dir)
     note = "" if tokenizer else f" (no byte-level BPE tokenizer in {model_dir}: pass --tokenizer to generate)"
     print(f"wrote run directory {run_dir} with checkpoint {checkpoint}{note}")
     return 0

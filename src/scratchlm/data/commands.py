@@ -35,18 +35,41 @@ def _register_encode(actions) -> None:
                         help="invalid UTF-8: stop naming file and byte offset (strict, default), "
                              "or substitute U+FFFD (replace)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     parser.set_defaults(func=run_encode)
 
 
 def run_encode(args: argparse.Namespace) -> int:
     from scratchlm.data.encode import encode_corpus
 
+    _check_encode_output(args)
     progress = not args.quiet and sys.stderr.isatty()
     stats = encode_corpus(args.tokenizer, args.input, args.out, workers=args.workers, errors=args.errors,
                           progress=progress)
     if not args.quiet:
         print(f"encoded {len(args.input)} file{'s' if len(args.input) != 1 else ''}: {stats.summary()} -> {args.out}")
     return 0
+
+
+def _check_encode_output(args: argparse.Namespace) -> None:
+    """--out is never an input (a text file or a tokenizer file), and replaces only an earlier token file."""
+    from pathlib import Path
+
+    from scratchlm.data.token_file import open_token_file
+    from scratchlm.errors import UserError
+    from scratchlm.output_paths import refuse_inputs
+
+    out, tokenizer = Path(args.out), Path(args.tokenizer)
+    if out.is_dir():
+        return  # the token file writer names that problem
+    tokenizer_files = list(tokenizer.iterdir()) if tokenizer.is_dir() else []
+    refuse_inputs(out, [*map(Path, args.input), *tokenizer_files], inside_ok=True)
+    if out.is_file() and not args.force:
+        try:
+            open_token_file(out)
+        except ValueError:
+            raise UserError(f"--out {out} exists and is not a token file; choose another --out, or pass --force "
+                            f"to replace it") from None
 
 
 def _positive_int(text: str) -> int:

@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--out", type=Path, default=Path("runs/sweep"), help="sweep directory (default: runs/sweep)")
     sweep.add_argument("--shard", default="0/1", metavar="I/N", help="train only points I, I+N, ... (0-based)")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
+    sweep.add_argument("--force", action="store_true", help="use an --out folder that holds files but no sweep")
     sweep.set_defaults(func=run_sweep_command)
 
     report = subparsers.add_parser("report", help="compare runs: self-contained HTML + Markdown report",
@@ -34,15 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--baseline", type=Path, help="run to compare against (default: the first)")
     report.add_argument("--out", type=Path, help="output directory (default: report/ inside the first RUN_DIR)")
     report.add_argument("--title", default="scratchlm runs", help="report title")
+    report.add_argument("--force", action="store_true", help="write into an --out folder that holds other files")
     report.set_defaults(func=run_report_command)
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from scratchlm.experiments.sweep import SweepSpec, parse_axis, parse_shard, run_sweep
+    from scratchlm.experiments.sweep import SUMMARY_FILE, SweepSpec, parse_axis, parse_shard, run_sweep
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     spec = SweepSpec(base_config=args.config, axes=[parse_axis(g) for g in args.grid], out_dir=args.out,
                      overrides=list(args.overrides), shard=parse_shard(args.shard))
-    summary = run_sweep(spec, quiet=args.quiet)
+    refuse_inputs(args.out, [args.config])
+    refuse_foreign_folder(args.out, force=args.force, ours=(SUMMARY_FILE,))  # a sweep folder: rerun = resume
+    with removed_on_failure(args.out, keep_results=True):
+        summary = run_sweep(spec, quiet=args.quiet)
     width = max(len(p["name"]) for p in summary["points"])
     print(f"\n{'point':<{width}}  {'status':<11}  final val loss")
     for point in summary["points"]:
@@ -53,6 +59,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     index, count = spec.shard
     pending = [p for p in summary["points"][index::count] if p["status"] not in ("finished", "diverged")]
     return 1 if pending else 0
+
+
+REPORT_FILES = ("report.html", "report.md")
 
 
 def expand_run_dirs(paths: list[Path]) -> list[Path]:
@@ -75,11 +84,16 @@ def expand_run_dirs(paths: list[Path]) -> list[Path]:
 
 def run_report_command(args: argparse.Namespace) -> int:
     from scratchlm.experiments.report import write_report
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     runs = expand_run_dirs(args.runs)
     if not runs:
         raise ValueError(f"no runs with metrics found in {', '.join(map(str, args.runs))}")
     out = args.out or args.runs[0] / "report"
-    html_path, md_path = write_report(runs, out_dir=out, baseline=args.baseline, title=args.title)
+    # The default report/ lies inside the first run: fine, the report only adds its own names there.
+    refuse_inputs(out, [*args.runs, *runs], inside_ok=True)
+    refuse_foreign_folder(out, force=args.force, ours=REPORT_FILES)  # an earlier report is replaced
+    with removed_on_failure(out):
+        html_path, md_path = write_report(runs, out_dir=out, baseline=args.baseline, title=args.title)
     print(f"report: {html_path}\n        {md_path}")
     return 0

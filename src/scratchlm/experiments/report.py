@@ -22,7 +22,8 @@ from typing import Any
 from scratchlm.experiments.runs import RunRecord, load_run
 
 # Keys that differ between any two runs by construction (where each run writes), never an experimental change.
-IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name"})
+# data.tokenizer_hash: recorded by train (a resolved sweep point has none yet); data.tokenizer shows a change.
+IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name", "data.tokenizer_hash"})
 MISSING = "(unset)"
 LINE_STYLES, COLORS = ("-", "--", "-.", ":"), 10  # run i: color C(i % 10), then the next dash every ten runs
 # Past this many runs a line repeats an earlier run's color and dash, so a legend entry could not tell which it is;

@@ -1,7 +1,8 @@
 """`scratchlm generate`: sample text from a checkpoint, streamed to the terminal as it is produced.
 
 The model and its config come from `load_for_inference` (a run directory -> its newest valid checkpoint); the
-tokenizer from the run's `data.tokenizer` or `--tokenizer`. Tokens are decoded incrementally: a token can end
+tokenizer is the run's copy (RUN/tokenizer), its `data.tokenizer` or `--tokenizer`, refused when its hash is not
+the run's (train/tokenizer_identity.py). Tokens are decoded incrementally: a token can end
 in the middle of a multi-byte UTF-8 character, so an incremental decoder keeps the undecoded trailing bytes
 until the character completes (and flushes any leftover as U+FFFD at the end). With `--num-samples N` the
 samples are drawn one after another (sample i uses seed S + i), each streamed live.
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-samples", type=int, default=1, help="how many samples (default: 1)")
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's "
-                                                                      "data.tokenizer)")
+                                                                      "copy, RUN/tokenizer)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
@@ -57,12 +58,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.generate.sampling import stream
     from scratchlm.train.setup import select_device
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     model, config = load_model_for_command(args, device=select_device(args.device))
     model.to(getattr(torch, DTYPES[args.dtype]))
-    tokenizer = _load_tokenizer(args.tokenizer or config.data.tokenizer, args.checkpoint or args.cs336_checkpoint)
+    # The run's own tokenizer (or --tokenizer); refuses one whose hash is not the run's.
+    tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}: "
                         f"is --tokenizer the one this model was trained with?")
@@ -95,13 +98,3 @@ def write_stream(prompt: str, token_ids, tokenizer, out) -> None:
     out.write(decoder.decode(b"", final=True) + "\n")
     out.flush()
 
-
-def _load_tokenizer(directory: str | Path | None, checkpoint: Path):
-    from scratchlm.errors import UserError
-    from scratchlm.tokenizer import Tokenizer
-
-    if directory is None:
-        raise UserError(f"{checkpoint} records no tokenizer (a run's data.tokenizer); pass --tokenizer DIR")
-    if not Path(directory).is_dir():
-        raise UserError(f"tokenizer directory {directory} not found (from the run's data.tokenizer or --tokenizer)")
-    return Tokenizer.load(directory)

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from scratchlm.tokenizer.counting import ERROR_POLICIES
 
@@ -35,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
                        help="invalid UTF-8: 'strict' stops naming the file and byte offset; 'replace' uses U+FFFD")
     train.add_argument("--quiet", action="store_true", help="no progress bars or summary")
+    train.add_argument("--force", action="store_true",
+                       help="write into an existing folder that holds files (replacing a tokenizer there)")
     train.set_defaults(func=run_train)
 
 
@@ -57,19 +60,23 @@ def describe_longest(vocab: dict[int, bytes], first_learned_id: int, count: int 
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train_bpe import train_bpe
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):  # fail before training, not after it
-        raise ValueError(f"--out {args.out} is a file; give a directory to save the tokenizer in")
+    # Before training, not after it. An existing tokenizer may be the one runs and token files were made with.
+    out = Path(args.out)
+    refuse_foreign_folder(out, force=args.force)
+    refuse_inputs(out, [Path(path) for path in args.input])
     show_progress = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
                               progress=show_progress, errors=args.errors)
     seconds = time.perf_counter() - start
-    out = Tokenizer(vocab, merges, args.special_token).save(args.out)
+    with removed_on_failure(out):
+        out = Tokenizer(vocab, merges, args.special_token).save(out)
     if not args.quiet:
         own_mb, worker_mb = peak_memory_mb()
         input_mb = sum(os.path.getsize(path) for path in args.input) / 2**20

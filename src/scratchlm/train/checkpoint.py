@@ -19,7 +19,10 @@ Trainer form (``CheckpointManager``), one directory per step, no pickle anywhere
 Atomicity: everything is written into a hidden temp directory beside the final one, each file fsynced,
 ``meta.json`` last (its presence with matching checksums is the completeness marker), then the directory is
 renamed into place and the parent fsynced. A crash or a full disk mid-save leaves at worst a ``.tmp-*``
-directory or file (removed by the next save) and never touches the previous checkpoints. ``latest_valid``
+directory or file and never touches the previous checkpoints. Temporaries carry their writer's pid and a random
+id, and only ``remove_stale_temporaries`` deletes those of others: the trainer calls it once it holds the run's
+lock (run_lock.py), when no other writer can be alive. A save holds RUN/checkpoints/.save.lock, so readers
+(``load_for_inference``) never see the checkpoint they picked pruned under them. ``latest_valid``
 re-hashes files, so a truncated or bit-flipped checkpoint is skipped with a warning naming it and the bad file.
 best.json is bookkeeping derived from the meta.json files: a malformed one is rebuilt from them, with a warning.
 """
@@ -32,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +48,7 @@ from torch import nn
 
 import scratchlm
 from scratchlm.errors import UserError
+from scratchlm.train import run_lock
 from scratchlm.train.checkpoint_state import (
     capture_rng_state,
     load_model_state,
@@ -186,7 +191,15 @@ class CheckpointManager:
         """Write step ``step`` atomically; on failure raise CheckpointError and leave earlier ones intact."""
         final = self.directory / f"{STEP_PREFIX}{step:07d}"
         self._prepare_directory()
-        temp = self.directory / f".tmp-{final.name}-{os.getpid()}"
+        with run_lock.saving(self.directory):
+            self._save_locked(final, step, model, optimizer, config, sampler_state, extra, val_loss)
+            self._update_best(final, step, val_loss)
+            self._prune(final)
+        return final
+
+    def _save_locked(self, final: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     config: dict, sampler_state: dict, extra: dict | None, val_loss: float | None) -> None:
+        temp = self.directory / f".tmp-{final.name}-{_writer_id()}"
         try:
             temp.mkdir()
             self._write_files(temp, step, model, optimizer, config, sampler_state, extra, val_loss)
@@ -200,9 +213,6 @@ class CheckpointManager:
                                   f"{error.strerror or error}; {kept}") from error
         finally:
             shutil.rmtree(temp, ignore_errors=True)
-        self._update_best(final, step, val_loss)
-        self._prune(final)
-        return final
 
     def _prepare_directory(self) -> None:
         try:
@@ -213,6 +223,12 @@ class CheckpointManager:
         if not os.access(self.directory, os.W_OK):
             raise CheckpointError(errno.EACCES, f"run directory {self.run_dir} is not writable: "
                                   f"cannot write {self.directory}")
+
+    def remove_stale_temporaries(self) -> None:
+        """Delete what crashed saves left behind. Only for the holder of the run's lock: another live writer's
+        temporaries look exactly like a dead one's."""
+        if not self.directory.is_dir():
+            return
         for leftover in self.directory.glob(".tmp-*"):  # a save that crashed before its rename
             original = self.directory / leftover.name.removeprefix(".tmp-old-").rsplit("-", 1)[0]
             if leftover.name.startswith(".tmp-old-") and not original.exists():
@@ -220,7 +236,7 @@ class CheckpointManager:
             elif leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
-                leftover.unlink(missing_ok=True)  # .tmp-best.json of a crash inside _write_best
+                leftover.unlink(missing_ok=True)  # a best.json temporary of a crash inside _write_best
 
     def _write_files(self, temp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                      config: dict, sampler_state: dict, extra: dict | None, val_loss: float | None) -> None:
@@ -244,7 +260,7 @@ class CheckpointManager:
         self._write_best({"step": step, "val_loss": val_loss, "name": path.name})
 
     def _write_best(self, record: dict) -> None:
-        temp = self.directory / f".tmp-{BEST_FILE}"
+        temp = self.directory / f".tmp-{BEST_FILE}-{_writer_id()}"
         _write_json(temp, record)
         os.replace(temp, self.directory / BEST_FILE)
         _fsync_dir(self.directory)
@@ -340,6 +356,11 @@ def _is_best_record(value: Any) -> bool:
             and isinstance(value.get("val_loss"), (int, float)))
 
 
+def _writer_id() -> str:
+    """Names a temporary after its writer: the pid (for a person reading the folder) and a random part."""
+    return f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
 def _replace_dir(temp: Path, final: Path) -> None:
     """Rename ``temp`` to ``final``; an existing ``final`` (the same step saved again) is swapped out first."""
     if not final.exists():
@@ -352,13 +373,20 @@ def _replace_dir(temp: Path, final: Path) -> None:
 
 
 def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """(TransformerLM in eval mode, RunConfig) from a run directory (newest valid checkpoint) or a checkpoint."""
-    from scratchlm.config import RunConfig
-    from scratchlm.model import TransformerLM
+    """(TransformerLM in eval mode, RunConfig) from a run directory (newest valid checkpoint) or a checkpoint.
 
+    A save in progress in that run is waited for (briefly), and none prunes the chosen checkpoint while it loads."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no run or checkpoint directory at {path}")
+    with run_lock.reading(path.parent if (path / META_FILE).exists() else path / "checkpoints"):
+        return _load_for_inference(path, device)
+
+
+def _load_for_inference(path: Path, device: str | torch.device):
+    from scratchlm.config import RunConfig
+    from scratchlm.model import TransformerLM
+
     if not (path / META_FILE).exists():
         if not (path / "checkpoints").is_dir():
             raise FileNotFoundError(f"{path} is neither a checkpoint directory (no {META_FILE}) nor a run "
@@ -373,3 +401,9 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
     model = TransformerLM(config.model, device=device)
     load_model_state(model, read_model_tensors(path / "model.safetensors"), where=str(path))
     return model.eval(), config
+
+
+def run_dir_of(path: str | os.PathLike) -> Path:
+    """The run directory of a run directory or of one of its checkpoint directories (RUN/checkpoints/step_N)."""
+    path = Path(path)
+    return path.parent.parent if (path / META_FILE).exists() and path.parent.name == "checkpoints" else path

@@ -81,6 +81,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
         config_path = Path(args.run_dir) / CONFIG_FILE
     config = load_config(config_path, train_overrides(args))
+    _refuse_overwriting_config(args.config, Path(config.train.run_dir) / CONFIG_FILE)
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
@@ -92,6 +93,17 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"finished {result.final_step} steps: train loss {result.train_loss:.4f}{val} -> {result.run_dir}",
               file=sys.stderr)
     return EXIT_CODES[result.status]
+
+
+def _refuse_overwriting_config(given: Path | None, saved: Path) -> None:
+    """The run saves its resolved config as RUN/config.toml: that must not be the user's own (commented) file."""
+    from scratchlm.config import is_resolved_config
+    from scratchlm.errors import UserError
+    from scratchlm.output_paths import same_path
+
+    if given is not None and saved.exists() and same_path(given, saved) and not is_resolved_config(given):
+        raise UserError(f"--config {given} is the run directory's config.toml, which train replaces with the "
+                        f"resolved config: keep your config outside the run directory, or choose another --run-dir")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -108,7 +120,9 @@ def run_eval(args: argparse.Namespace) -> int:
     device = select_device(args.device)
     model, config = load_model_for_command(args, device=device)
     model.check_inputs = False  # the token file is checked against the vocabulary below
-    tokens = open_token_file(args.data, vocab_size=config.model.vocab_size).tokens
+    # The run's tokenizer hash (tokenizer_identity.py): a file encoded with another tokenizer is refused.
+    tokens = open_token_file(args.data, vocab_size=config.model.vocab_size,
+                             tokenizer_hash=config.data.tokenizer_hash).tokens
     if len(tokens) < config.model.context_length + 1:
         raise UserError(f"{args.data} holds {len(tokens)} tokens, fewer than context_length + 1 = "
                         f"{config.model.context_length + 1}")

@@ -7,7 +7,8 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 - The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
   training window), so the model's per-step token-id check is switched off.
 - The run directory is proven writable, and a run that already holds checkpoints refused without --resume,
-  before the data is opened or the model built: an unusable directory is one clear error up front.
+  before the data is opened or the model built: an unusable directory is one clear error up front. ``train``
+  holds the directory's lock (run_lock.py) by then, so the temporaries of crashed saves can be removed here.
 """
 
 from __future__ import annotations
@@ -117,4 +118,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
     if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ValueError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue that run, "
                          f"or choose another --run-dir")
+    from scratchlm.train.checkpoint import CheckpointManager
+
+    CheckpointManager(run_dir).remove_stale_temporaries()
 

@@ -44,6 +44,7 @@ from scratchlm.train.budget import BudgetClock, plan_budget
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, plot_curves
+from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
     build_optimizer,
@@ -54,6 +55,7 @@ from scratchlm.train.setup import (
     wrap_model,
 )
 from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
+from scratchlm.train.tokenizer_identity import bind_tokenizer, check_same_tokenizer, keep_tokenizer_copy
 
 CONFIG_FILE = "config.toml"
 # What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
@@ -129,6 +131,7 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
     return (sampler.next() for _ in range(count))
 
 
+@locks_run  # one trainer per run directory (run_lock.py)
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None) -> TrainResult:
@@ -186,6 +189,7 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
     train_tokens, val_tokens = open_data(config)
+    config = bind_tokenizer(config)  # records data.tokenizer_hash (tokenizer_identity.py)
     raw_model = build_model(config, device)
     optimizer = build_optimizer(raw_model, config)
     sampler = BatchSampler(train_tokens, config.micro_batch_size, config.model.context_length, device,
@@ -196,6 +200,7 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
         state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
+        keep_tokenizer_copy(config, run_dir)
         config.save_toml(run_dir / CONFIG_FILE)
     model = wrap(raw_model, config)
     # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
@@ -240,6 +245,7 @@ def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.O
                    if getattr(config.optim, k) != v}
         raise ValueError(f"cannot resume from {path}: the optimizer settings changed (saved -> asked: " +
                          ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
+    check_same_tokenizer(saved.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {path}")
     distributed.restore_sampler(sampler, loaded["sampler_state"])  # rank 0's state, any world size
     fields = {f.name for f in dataclasses.fields(LoopState)}
     return LoopState(**{k: v for k, v in (loaded["extra"] or {}).items() if k in fields}, step=loaded["step"])

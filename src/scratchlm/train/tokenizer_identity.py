@@ -1,0 +1,94 @@
+"""Which tokenizer a run belongs to: its hash in the run's config (so in every checkpoint's config.json) and a
+copy of the tokenizer in RUN/tokenizer/.
+
+Why: a model's ids mean nothing without the exact tokenizer, and a path is no identity: the folder it names can
+be retrained, and any tokenizer of the same size loads without error and decodes garbage. So ``train`` records
+``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
+and keeps its own copy of the tokenizer; ``generate``, ``eval``, ``export hf`` and ``--resume`` compare whatever
+they are given with that hash and refuse a mismatch, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from scratchlm.config import RunConfig
+from scratchlm.errors import UserError
+
+RUN_TOKENIZER_DIR = "tokenizer"
+
+
+def short(tokenizer_hash: str) -> str:
+    """The first 16 hex digits: enough to tell tokenizers apart in a message."""
+    return tokenizer_hash[:16]
+
+
+def bind_tokenizer(config: RunConfig) -> RunConfig:
+    """``config`` with data.tokenizer_hash set, after checking that everything it names agrees on it: the train
+    and validation token files (even without data.tokenizer), data.tokenizer, and a hash already recorded (a
+    resumed run's config.toml)."""
+    from scratchlm.data.token_file import open_token_file
+
+    data = config.data
+    train_hash = open_token_file(data.train_path).tokenizer_hash
+    val_hash = open_token_file(data.val_path).tokenizer_hash if data.val_path else None
+    if train_hash and val_hash and train_hash != val_hash:
+        raise UserError(f"data.train_path {data.train_path} was encoded with tokenizer {short(train_hash)} but "
+                        f"data.val_path {data.val_path} with tokenizer {short(val_hash)}: encode both with one "
+                        f"tokenizer")
+    found, source = train_hash or val_hash, "the token files"
+    if data.tokenizer:
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        found, source = Tokenizer.load(data.tokenizer).hash, f"data.tokenizer {data.tokenizer}"
+    recorded = data.tokenizer_hash
+    if recorded and found and recorded != found:
+        raise UserError(f"{source} has tokenizer hash {short(found)}, but this run was trained with tokenizer "
+                        f"{short(recorded)} (data.tokenizer_hash): use the run's own copy in "
+                        f"{Path(config.train.run_dir) / RUN_TOKENIZER_DIR}")
+    return dataclasses.replace(config, data=dataclasses.replace(data, tokenizer_hash=found or recorded))
+
+
+def check_same_tokenizer(saved: str | None, current: str | None, where: str) -> None:
+    """Resume: the checkpoint's tokenizer hash must be the one this run now trains with."""
+    if saved and current and saved != current:
+        raise UserError(f"{where} was trained with tokenizer {short(saved)}, but this config's data gives "
+                        f"tokenizer {short(current)}: resume with the original tokenizer and token files")
+
+
+def keep_tokenizer_copy(config: RunConfig, run_dir: Path) -> None:
+    """Save data.tokenizer as RUN/tokenizer/ (unless that copy already is this tokenizer)."""
+    if not config.data.tokenizer:
+        return
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    copy = run_dir / RUN_TOKENIZER_DIR
+    if copy.resolve() == Path(config.data.tokenizer).resolve():
+        return
+    if copy.is_dir():
+        if Tokenizer.load(copy).hash == config.data.tokenizer_hash:
+            return
+        shutil.rmtree(copy)  # a copy from an earlier attempt that never checkpointed (the run lock is held)
+    Tokenizer.load(config.data.tokenizer).save(copy)
+
+
+def tokenizer_for_run(checkpoint: Path, config: RunConfig, given: Path | None):
+    """The tokenizer to decode or export a run with: ``given`` (--tokenizer), else the run's copy, else
+    data.tokenizer; refused when its hash is not the run's recorded one."""
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.train.checkpoint import run_dir_of
+
+    copy = run_dir_of(checkpoint) / RUN_TOKENIZER_DIR
+    directory = given or (copy if copy.is_dir() else config.data.tokenizer)
+    if directory is None:
+        raise UserError(f"the run at {checkpoint} records no tokenizer (data.tokenizer); pass --tokenizer DIR")
+    if not Path(directory).is_dir():
+        raise UserError(f"tokenizer directory {directory} not found (from the run's data.tokenizer or --tokenizer)")
+    tokenizer = Tokenizer.load(directory)
+    expected = config.data.tokenizer_hash
+    if expected and tokenizer.hash != expected:
+        raise UserError(f"tokenizer {directory} has hash {short(tokenizer.hash)}, but the run at {checkpoint} was "
+                        f"trained with tokenizer {short(expected)}: leave out --tokenizer to use the run's copy")
+    return tokenizer

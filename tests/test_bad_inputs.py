@@ -1,0 +1,216 @@
+"""Bad input at every stage: one line naming the problem, a non-zero exit, and nothing lost.
+
+Each case runs the real CLI in a copy of one small world (two tokenizers of the same size, token files, a
+trained tiny run, a Hugging Face export, a half-run sweep) and checks that every file that was there before is
+byte-identical afterwards, and that no new file or folder (empty or not) remains: a refused command leaves
+nothing behind. ``{T}`` in an argument stands for the world's folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scratchlm.cli import main
+from scratchlm.data.token_file import TokenFileWriter
+from scratchlm.tokenizer import Tokenizer
+from scratchlm.train.run_lock import RunLock
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.toml"
+TINY_RUN = ["--set", "train.max_steps=6", "--set", "train.checkpoint_every=6", "--set", "train.eval_every=6",
+            "--set", "train.eval_batches=1", "--set", "data.batch_size=4", "--quiet"]
+
+
+def byte_tokenizer(shift: int) -> Tokenizer:
+    """256 single-byte tokens, ids rotated by ``shift``: same size as any other shift, a different hash."""
+    return Tokenizer({(byte + shift) % 256: bytes([byte]) for byte in range(256)}, [], [])
+
+
+def write_tokens(path: Path, tokenizer: Tokenizer, text: str) -> None:
+    with TokenFileWriter(path, vocab_size=256, tokenizer_hash=tokenizer.hash) as writer:
+        writer.write(np.array(tokenizer.encode(text)))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("world")
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "away", "home"]
+    text = " ".join(rng.choice(words, size=6000)) + "\n"
+    (root / "corpus.txt").write_text(text)
+    (root / "notes.txt").write_text("a file of the user's\n")
+    (root / "link.txt").symlink_to(root / "corpus.txt")
+    token_a, token_b = byte_tokenizer(0), byte_tokenizer(1)
+    token_a.save(root / "tokA")
+    token_b.save(root / "tokB")
+    for name, tokenizer in (("train", token_a), ("val", token_a), ("train_b", token_b), ("val_b", token_b)):
+        write_tokens(root / f"{name}.tok", tokenizer, text)
+    shutil.copy(TINY, root / "tiny.toml")
+    data = ["--set", f"data.train_path={root}/train.tok", "--set", f"data.val_path={root}/val.tok"]
+    assert main(["train", "--config", str(TINY), *TINY_RUN, *data, "--set", f"data.tokenizer={root}/tokA",
+                 "--run-dir", str(root / "run")]) == 0
+    assert main(["export", "hf", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
+    (root / "export").mkdir()
+    (root / "export" / "config.json").write_text('{"the user": "config"}')
+    (root / "user").mkdir()
+    (root / "user" / "config.toml").write_text(f"# my settings\nextends = '{TINY}'\n")
+    assert main(["sweep", "--config", str(TINY), "--grid", "optim.lr=1e-3,2e-3", "--shard", "0/2", *TINY_RUN,
+                 "--out", str(root / "sweep"), *data]) == 0
+    return root
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file (sha256), symlink (target) and folder ('dir') under root."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder, name)
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                found[key] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                found[key] = "dir"
+            else:
+                found[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def refused(world: Path, tmp_path: Path, capsys, argv: list[str], message: str, *, hold_lock: str | None = None):
+    """Run ``argv`` in a copy of the world and check the one-line refusal and that nothing changed."""
+    root = tmp_path / "w"
+    shutil.copytree(world, root, symlinks=True)
+    (root / "link.txt").unlink()
+    (root / "link.txt").symlink_to(root / "corpus.txt")
+    lock = None
+    if hold_lock is not None:
+        (root / hold_lock).mkdir(parents=True, exist_ok=True)
+        lock = RunLock(root / hold_lock).acquire()
+    before = snapshot(root)
+    capsys.readouterr()
+    try:
+        code = main([arg.replace("{T}", str(root)) for arg in argv])
+    finally:
+        if lock is not None:
+            lock.release()
+    error = capsys.readouterr().err.replace(str(root), "{T}")
+    assert code != 0
+    assert error.count("\n") == 1 and "error:" in error, error
+    assert message in error, error
+    after = snapshot(root)
+    if hold_lock is not None:
+        before.pop(f"{hold_lock}/{'.lock'}")
+    assert after == before  # same files, same bytes, no new file or folder
+    return error
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--input", "{T}/corpus.txt", "--out", "{T}/corpus.txt"], "--out {T}/corpus.txt is the input {T}/corpus.txt"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/link.txt"], "is the input {T}/corpus.txt"),  # a symlink to it
+    (["--input", "{T}/corpus.txt", "--out", "{T}/link.txt", "--force"], "is the input"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/tokA/vocab.json", "--force"], "is the input {T}/tokA/vocab.json"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/notes.txt"], "--out {T}/notes.txt exists and is not a token file"),
+    (["--input", "{T}/missing.txt", "--out", "{T}/new.tok"], "missing.txt does not exist"),
+])
+def test_data_encode(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["data", "encode", "--tokenizer", "{T}/tokA", "--quiet", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--input", "{T}/corpus.txt", "--out", "{T}/tokA"], "--out {T}/tokA already holds files"),  # runs use it
+    (["--input", "{T}/corpus.txt", "--out", "{T}/corpus.txt"], "--out {T}/corpus.txt is a file"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}", "--force"], "--out {T} holds the input {T}/corpus.txt"),
+    (["--input", "{T}/tokA/vocab.json", "--out", "{T}/tokA", "--force"], "holds the input {T}/tokA/vocab.json"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/new/tok", "--vocab-size", "10"], "vocab"),
+])
+def test_tokenizer_train(world, tmp_path, capsys, argv, message):
+    vocab = [] if "--vocab-size" in argv else ["--vocab-size", "270"]
+    refused(world, tmp_path, capsys, ["tokenizer", "train", "--quiet", *vocab, *argv], message)
+
+
+DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/val.tok"]
+
+
+@pytest.mark.parametrize("argv, message, hold_lock", [
+    ([*DATA, "--run-dir", "{T}/run"], "run directory {T}/run already holds checkpoints", None),
+    (["--run-dir", "{T}/run", "--resume"], "run directory {T}/run is in use by pid", "run"),
+    (["--config", "{T}/user/config.toml", "--run-dir", "{T}/user", *DATA],
+     "--config {T}/user/config.toml is the run directory's config.toml", None),
+    (["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/val_b.tok", "--run-dir", "{T}/new/run"],
+     "data.val_path {T}/val_b.tok with tokenizer", None),  # no data.tokenizer: the headers still must agree
+    (["--run-dir", "{T}/run", "--resume", "--set", "data.tokenizer={T}/tokB", "--set",
+      "data.train_path={T}/train_b.tok", "--set", "data.val_path={T}/val_b.tok"],
+     "but this run was trained with tokenizer", None),  # a retrained tokenizer, its token files re-encoded
+    (["--set", "data.train_path={T}/missing.tok", "--run-dir", "{T}/new/run"], "missing.tok does not exist", None),
+    (["--set", "data.train_path={T}/corpus.txt", "--run-dir", "{T}/run2"], "is not a scratchlm token file", None),
+])
+def test_train(world, tmp_path, capsys, argv, message, hold_lock):
+    config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]
+    refused(world, tmp_path, capsys, ["train", *config, "--quiet", *argv], message, hold_lock=hold_lock)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "{T}/run", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+    (["--checkpoint", "{T}/run", "--tokenizer", "{T}/missing"], "tokenizer directory {T}/missing not found"),
+    (["--checkpoint", "{T}/corpus.txt"], "{T}/corpus.txt is neither a checkpoint directory"),
+    (["--checkpoint", "{T}/run", "--num-samples", "0"], "--num-samples must be at least 1"),
+])
+def test_generate(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["generate", "--prompt", "the cat", "--max-new-tokens", "3", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "{T}/val_b.tok"], "{T}/val_b.tok was encoded with tokenizer"),
+    (["--data", "{T}/corpus.txt"], "{T}/corpus.txt is not a scratchlm token file"),
+    (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),
+])
+def test_eval(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{T}/export"], "--out {T}/export already holds files (config.json)"),
+    (["--out", "{T}/run"], "--out {T}/run is the input {T}/run"),
+    (["--out", "{T}/run/hf", "--force"], "--out {T}/run/hf lies inside the input {T}/run"),
+    (["--out", "{T}/new/hf", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+])
+def test_export_hf(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["export", "hf", "--checkpoint", "{T}/run", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "{T}/hf", "--out", "{T}/hf"], "--out {T}/hf is the input {T}/hf"),
+    (["--model", "{T}/hf", "--out", "{T}/run"], "{T}/run already holds a run (checkpoints/)"),
+    (["--model", "{T}/hf", "--out", "{T}/export"], "--out {T}/export already holds files"),
+    (["--model", "{T}/tokA", "--out", "{T}/new/run"], "{T}/tokA is not a Hugging Face model folder"),
+])
+def test_import_hf(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["import", "hf", *argv], message)
+
+
+SWEEP = ["sweep", "--config", "{T}/tiny.toml", "--grid", "optim.lr=1e-3,2e-3", *TINY_RUN, *DATA]
+
+
+@pytest.mark.parametrize("argv, message, hold_lock", [
+    (["--out", "{T}/export"], "--out {T}/export already holds files", None),
+    (["--out", "{T}/tiny.toml"], "--out {T}/tiny.toml is the input {T}/tiny.toml", None),
+    (["--out", "{T}/new/sweep", "--set", "train.run_dir=x"], "a sweep names each point's train.run_dir itself", None),
+    (["--out", "{T}/sweep", "--shard", "1/2"], "run directory {T}/sweep/lr-2e-3 is in use by pid", "sweep/lr-2e-3"),
+])
+def test_sweep(world, tmp_path, capsys, argv, message, hold_lock):
+    refused(world, tmp_path, capsys, [*SWEEP, *argv], message, hold_lock=hold_lock)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{T}/run", "--out", "{T}/run"], "--out {T}/run is the input {T}/run"),
+    (["{T}/run", "--out", "{T}"], "--out {T} holds the input {T}/run"),
+    (["{T}/run", "--out", "{T}/export"], "--out {T}/export already holds files"),
+    (["{T}/missing"], "{T}/missing"),
+])
+def test_report(world, tmp_path, capsys, argv, message):
+    refused(world, tmp_path, capsys, ["report", *argv], message)
