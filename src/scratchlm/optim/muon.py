@@ -155,7 +155,7 @@ def muon_group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, 
     hyper = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
                  nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
                  ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"])
-    if group["foreach"] is None or group["foreach"]:
+    if group.get("foreach") in (None, True):  # a torch.optim.Muon state dict has no "foreach": the default
         _foreach_update(params, grads, buffers, **hyper)
     else:
         _single_tensor_update(params, grads, buffers, **hyper)
