@@ -302,3 +302,29 @@ def test_split_for_muon_leaves_embeddings_head_and_vectors_to_adamw():
     assert all(p.dim() == 1 for p in vectors) and len(vectors) == 2 * 2 + 1
     assert len(hidden) == 2 * 7 and all(names[id(p)].startswith("layers.") for p in hidden)
     MuonAdamW([{"params": hidden, "algorithm": "muon"}, {"params": other + vectors, "algorithm": "adamw"}])
+
+
+def test_hybrid_resumes_through_the_checkpoint_manager(tmp_path):
+    from scratchlm.train.checkpoint import CheckpointManager
+
+    params = make_params(10, HYBRID_SHAPES)
+    model = nn.Module()
+    model.weights = nn.ParameterList(params)
+    opt = build_hybrid(params)
+    for step in range(4):
+        set_grads(params, step, 10)
+        opt.step()
+    manager = CheckpointManager(tmp_path)
+    path = manager.save(4, model, opt, config={}, sampler_state={})
+    restored_params = make_params(11, HYBRID_SHAPES)
+    restored_model = nn.Module()
+    restored_model.weights = nn.ParameterList(restored_params)
+    restored = build_hybrid(restored_params)
+    manager.load(path, restored_model, restored)
+    assert [g["lr_scale"] for g in restored.param_groups] == [1.0, 0.1, 0.1]
+    for step in range(4, 10):
+        set_grads(params, step, 10)
+        set_grads(restored_params, step, 10)
+        opt.step()
+        restored.step()
+    assert_same(params, restored_params)
