@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from scratchlm.optim import muon as muon_module
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.hybrid import MuonAdamW, split_for_muon
 from scratchlm.optim.muon import Muon, newton_schulz
@@ -101,6 +102,15 @@ def test_step_does_not_depend_on_gradient_scale():
     _, _, large, _ = run_pair(lambda p: Muon(p, lr=0.02), lambda p: Muon(p, lr=0.02), seed=4, steps=5, scale=1e3)
     for a, b in zip(small, large):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)  # bf16 rounding of differently scaled inputs
+
+
+def test_batches_cut_from_a_large_bucket_equal_torch(monkeypatch):
+    monkeypatch.setattr(muon_module, "MAX_BATCH_ELEMENTS", 1000)  # 5 matrices of 320 elements: batches of 3 + 2
+    shapes = [(16, 20)] * 5 + [(40, 30)]  # and one matrix larger than a batch: a batch of its own
+    _, _, ours_params, theirs_params = run_pair(
+        lambda p: Muon(p, lr=0.02, foreach=True), lambda p: torch.optim.Muon(p, lr=0.02), seed=12, steps=10,
+        shapes=shapes)
+    assert_same(ours_params, theirs_params)
 
 
 def test_foreach_path_equals_single_tensor_path_with_mixed_dtypes():

@@ -33,6 +33,7 @@ from torch import nn
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MAX_NS_STEPS = 100  # torch's bound: more steps buy nothing and cost a matrix product each
+MAX_BATCH_ELEMENTS = 2**24  # the multi-tensor path's batches: 64 MB of fp32 (all of a tinystories-17m bucket)
 
 
 def validate_muon(group: dict[str, Any]) -> None:
@@ -196,16 +197,25 @@ def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffe
                     ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
                     adjust_lr_fn: str | None) -> None:
     """The same update with the momentum in ``torch._foreach_*`` calls and one batched Newton-Schulz per
-    (shape, device, dtype) bucket: the matrices of a bucket share their shape, hence their adjusted lr."""
+    (shape, device, dtype) bucket: the matrices of a bucket share their shape, hence their adjusted lr.
+
+    A bucket is cut into batches of at most ``MAX_BATCH_ELEMENTS`` elements: the Nesterov updates and their
+    stacked copy are temporaries the size of the batch, and a whole bucket of a large model (gpt2-xl: 192
+    matrices of 1600x1600) would hold gigabytes of them at once.
+    """
     buckets: dict[tuple[torch.Size, torch.device, torch.dtype], list[int]] = defaultdict(list)
     for index, param in enumerate(params):
         buckets[(param.shape, param.device, param.dtype)].append(index)
     for indices in buckets.values():
-        b_params = [params[i] for i in indices]
-        b_grads = [grads[i] for i in indices]
-        b_buffers = [buffers[i] for i in indices]
-        torch._foreach_lerp_(b_buffers, b_grads, 1 - momentum)
-        updates = torch._foreach_lerp(b_grads, b_buffers, momentum) if nesterov else b_buffers
-        orthogonal = newton_schulz(torch.stack(updates), ns_coefficients, ns_steps, eps)  # (k, rows, cols)
-        torch._foreach_mul_(b_params, 1 - lr * weight_decay)
-        torch._foreach_add_(b_params, orthogonal.unbind(0), alpha=-adjusted_lr(lr, adjust_lr_fn, b_params[0].shape))
+        per_batch = max(1, MAX_BATCH_ELEMENTS // params[indices[0]].numel())
+        for start in range(0, len(indices), per_batch):
+            batch = indices[start:start + per_batch]
+            b_params = [params[i] for i in batch]
+            b_grads = [grads[i] for i in batch]
+            b_buffers = [buffers[i] for i in batch]
+            torch._foreach_lerp_(b_buffers, b_grads, 1 - momentum)
+            updates = torch._foreach_lerp(b_grads, b_buffers, momentum) if nesterov else b_buffers
+            orthogonal = newton_schulz(torch.stack(updates), ns_coefficients, ns_steps, eps)  # (k, rows, cols)
+            torch._foreach_mul_(b_params, 1 - lr * weight_decay)
+            torch._foreach_add_(b_params, orthogonal.unbind(0),
+                                alpha=-adjusted_lr(lr, adjust_lr_fn, b_params[0].shape))
