@@ -4,8 +4,8 @@ Per parameter it keeps one ``momentum_buffer`` (the name ``torch.optim.Muon`` us
 interchangeable). One step, for learning rate lr, weight decay wd, momentum mu and gradient g:
 
     B     <- B + (g - B) * (1 - mu)                    # lerp: an EMA of the gradients, as torch does
-    U     <- g + (B - g) * mu   if nesterov else B     # Nesterov: look one momentum step ahead
-    O     <- NewtonSchulz(U)                           # ~ U V^T of the SVD U S V^T: every direction, unit size
+    D     <- g + (B - g) * mu   if nesterov else B     # Nesterov: look one momentum step ahead
+    O     <- NewtonSchulz(D)                           # ~ U V^T where D = U S V^T: every direction, unit size
     theta <- theta * (1 - lr * wd)                     # decoupled weight decay, with the unadjusted lr
     theta <- theta - adjusted_lr(lr, shape) * O
 
@@ -13,7 +13,7 @@ interchangeable). One step, for learning rate lr, weight decay wd, momentum mu a
 "match_rms_adamw" by 0.2 * sqrt(max(rows, cols)) (Moonshot, "Muon is Scalable for LLM Training"), which gives
 the update the RMS of a typical AdamW update so AdamW's lr and weight decay can be reused.
 
-The operations, their order and their dtypes mirror ``torch.optim.Muon`` (torch 2.9+): Newton-Schulz runs in
+The operations, their order and their dtypes mirror ``torch.optim.Muon`` (read in torch 2.13): Newton-Schulz runs in
 bfloat16, each quintic term is one fused multiply-add (``addmm``), so the per-tensor path is bit-identical to
 it; the tests hold us to that. The multi-tensor path stacks the matrices of one shape into a batch and runs
 Newton-Schulz once per shape with ``baddbmm``: fewer, larger matrix products (the tests compare it with torch
