@@ -1,6 +1,6 @@
-"""Our AdamW step (foreach) vs torch.optim.AdamW, foreach and fused, on tinystories-17m; checkpoint save/load times.
+"""Our AdamW and Muon steps vs torch.optim's, on tinystories-17m; Muon's cost in a training step; checkpoint times.
 
-Target: ours no slower than torch (time ratio <= 1.0). torch is timed both ways because which of its paths is
+AdamW target: ours no slower than torch (time ratio <= 1.0). torch is timed both ways because which of its paths is
 faster on a CPU depends on the machine. Each optimizer updates its own copy of the same parameters with the
 same fixed gradients, timed in alternation (benchmarks/harness.py); afterwards their parameters must agree:
 bit-identical for torch foreach (same operations in the same order), within the printed tolerance for fused
@@ -8,16 +8,24 @@ bit-identical for torch foreach (same operations in the same order), within the 
 times ``CheckpointManager.save`` (safetensors + JSON, fsync, sha256, rename) and ``load`` (verify + restore) of
 the same model with a populated optimizer state.
 
-    .venv/bin/python benchmarks/bench_optim.py [--quick] [--threads 2]
+Muon (``--part muon``): our Muon (batched and per-tensor Newton-Schulz) vs torch.optim.Muon over the hidden
+matrices (parameters asserted bit-identical afterwards); then our MuonAdamW (Muon on the hidden matrices, AdamW
+on the embeddings, head and gains) vs our AdamW over the whole model. Project target: the Muon step costs no
+more than 1.5x our AdamW step. ``--part muon-train`` sets that in context: a whole training step (forward,
+backward, clipping, optimizer) at batch 8 x 256 with MuonAdamW vs with AdamW.
+
+    .venv/bin/python benchmarks/bench_optim.py [--quick] [--threads 2] [--part all|adamw|checkpoint|muon|muon-train]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleave, report  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 from scratchlm.optim.adamw import AdamW, param_groups_for  # noqa: E402
+from scratchlm.optim.hybrid import MuonAdamW, split_for_muon  # noqa: E402
+from scratchlm.optim.muon import Muon  # noqa: E402
 from scratchlm.train.checkpoint import CheckpointManager  # noqa: E402
+from scratchlm.train.step import train_step  # noqa: E402
 
 
 def model_with_grads(seed: int) -> TransformerLM:
@@ -99,14 +110,92 @@ def bench_checkpoint(repeats: int) -> None:
     print(f"checkpoint size {size_mb:,.0f} MB")
 
 
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return split_for_muon(model)[0]
+
+
+def muon_adamw(model: torch.nn.Module) -> MuonAdamW:
+    """Muon on the hidden matrices, AdamW (decay on matrices only) on the rest: the split the trainer will use."""
+    hidden, other_matrices, vectors = split_for_muon(model)
+    adamw = dict(algorithm="adamw", lr=1e-3, betas=(0.9, 0.95))
+    return MuonAdamW([{"params": hidden, "algorithm": "muon", "lr": 0.02, "weight_decay": 0.1},
+                      {"params": other_matrices, **adamw, "weight_decay": 0.1},
+                      {"params": vectors, **adamw, "weight_decay": 0.0}])
+
+
+def whole_model_adamw(model: torch.nn.Module) -> AdamW:
+    return AdamW(param_groups_for(model, 0.1), lr=1e-3, betas=(0.9, 0.95), foreach=True)
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> Callable[[], object]:
+    return lambda: train_step(model, optimizer, [batch], lr=1e-3, grad_clip=1.0)
+
+
+def bench_muon(repeats: int) -> None:
+    models = {name: model_with_grads(0) for name in ("ours", "ours per-tensor", "torch", "hybrid", "adamw")}
+    hidden = hidden_matrices(models["ours"])
+    shapes = sorted({tuple(p.shape) for p in hidden})
+    print(f"\nMuon on {len(hidden)} hidden matrices of shapes {shapes} ({sum(p.numel() for p in hidden) / 1e6:.1f} M "
+          f"parameters), Newton-Schulz in bf16 (5 steps), {torch.get_num_threads()} threads")
+    steps = {"scratchlm Muon": Muon(hidden, lr=0.02, foreach=True).step,
+             "scratchlm Muon per-tensor": Muon(hidden_matrices(models["ours per-tensor"]), lr=0.02,
+                                               foreach=False).step,
+             "torch.optim.Muon": torch.optim.Muon(hidden_matrices(models["torch"]), lr=0.02).step}
+    results = interleave(steps, repeats, warmup=1)
+    work = sum(p.numel() for p in hidden) / 1e6
+    report("Muon step (hidden matrices): ours (batched) vs torch.optim.Muon", results, "scratchlm Muon",
+           "torch.optim.Muon", work, "M params")
+    report("Muon step (hidden matrices): ours per-tensor vs torch.optim.Muon", results,
+           "scratchlm Muon per-tensor", "torch.optim.Muon", work, "M params")
+    for name in ("ours per-tensor", "torch"):
+        for a, b in zip(hidden, hidden_matrices(models[name])):
+            assert torch.equal(a, b), f"{name} diverged from ours"
+    print(f"parameters after {1 + repeats} steps: ours, ours per-tensor and torch.optim.Muon bit-identical")
+
+    steps = {"scratchlm MuonAdamW": muon_adamw(models["hybrid"]).step,
+             "scratchlm AdamW": whole_model_adamw(models["adamw"]).step}
+    results = interleave(steps, repeats, warmup=1)
+    summary = report("optimizer step, whole model: MuonAdamW vs AdamW", results, "scratchlm MuonAdamW",
+                     "scratchlm AdamW")
+    print(f"target MuonAdamW/AdamW <= 1.5: {'PASS' if summary['time_ratio'] <= 1.5 else 'MISS'}")
+
+
+def bench_muon_train_step(repeats: int, batch_size: int = 8) -> None:
+    config = ModelConfig.preset("tinystories-17m")
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, config.context_length + 1), generator=generator)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    steps = {}
+    for name, make_optimizer in (("MuonAdamW", muon_adamw), ("AdamW", whole_model_adamw)):
+        torch.manual_seed(0)
+        model = TransformerLM(config)
+        steps[f"train step with {name}"] = training_step(model, make_optimizer(model), batch)
+    results = interleave(steps, repeats, warmup=1)
+    print(f"\ntinystories-17m, fp32, batch {batch_size} x {config.context_length}, {torch.get_num_threads()} threads")
+    summary = report("training step (forward, backward, clip, optimizer): MuonAdamW vs AdamW", results,
+                     "train step with MuonAdamW", "train step with AdamW", batch_size * config.context_length,
+                     "tokens")
+    print(f"target MuonAdamW/AdamW <= 1.5: {'PASS' if summary['time_ratio'] <= 1.5 else 'MISS'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--part", choices=["all", "adamw", "checkpoint", "muon", "muon-train"], default="all",
+                        help="run one part only (each Muon part takes minutes on 2 busy cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    bench_step(repeats=5 if args.quick else 30)
-    bench_checkpoint(repeats=2 if args.quick else 5)
+    print(f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    if args.part in ("all", "adamw"):
+        bench_step(repeats=5 if args.quick else 30)
+    if args.part in ("all", "checkpoint"):
+        bench_checkpoint(repeats=2 if args.quick else 5)
+    if args.part in ("all", "muon"):
+        bench_muon(repeats=2 if args.quick else 5)
+    if args.part in ("all", "muon-train"):
+        bench_muon_train_step(repeats=2 if args.quick else 5)
+    print(f"load average at end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 
-def _validate(group: dict[str, Any]) -> None:
+def validate_adamw(group: dict[str, Any]) -> None:
     """Checks the hyperparameters of the defaults and of every param group (also those added later)."""
     lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not lr >= 0.0:
@@ -54,33 +54,13 @@ class AdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01, *,
                  foreach: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
-        _validate(defaults)
+        validate_adamw(defaults)
         super().__init__(params, defaults)  # calls add_param_group for each group
         self._denominators: dict[torch.Tensor, torch.Tensor] = {}  # param -> reusable buffer (foreach path)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _validate({**self.defaults, **param_group})  # before the group is added: a refused group leaves no trace
+        validate_adamw({**self.defaults, **param_group})  # before the group is added: a refused group leaves no trace
         super().add_param_group(param_group)
-
-    def _gather(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], ...]:
-        """Params that have gradients, with their grads and state (state created lazily on first use)."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            if param.grad.is_sparse:
-                raise ValueError("AdamW does not support sparse gradients")
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            params.append(param)
-            grads.append(param.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
@@ -89,27 +69,57 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            tensors = self._gather(group)
-            if not tensors[0]:
-                continue
-            hyper = dict(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                         weight_decay=group["weight_decay"])
-            if group["foreach"] is None or group["foreach"]:
-                _foreach_update(*tensors, self._denominator_buffers(tensors[0]), **hyper)
-            else:
-                _single_tensor_update(*tensors, **hyper)
+            adamw_group_step(self.state, group, self._denominators)
         return loss
 
-    def _denominator_buffers(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One scratch tensor per param, reallocated only if the param changed shape, dtype or device."""
-        buffers = []
-        for param in params:
-            buffer = self._denominators.get(param)
-            if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype \
-                    or buffer.device != param.device:
-                buffer = self._denominators[param] = torch.empty_like(param, memory_format=torch.contiguous_format)
-            buffers.append(buffer)
-        return buffers
+
+def adamw_group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any],
+                     denominators: dict[torch.Tensor, torch.Tensor]) -> None:
+    """One AdamW step of one param group; ``state`` is the optimizer's per-param state (filled lazily) and
+    ``denominators`` its scratch buffers for the multi-tensor path. Shared with the Muon+AdamW hybrid."""
+    tensors = _gather(state, group)
+    if not tensors[0]:
+        return
+    hyper = dict(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                 weight_decay=group["weight_decay"])
+    if group["foreach"] is None or group["foreach"]:
+        _foreach_update(*tensors, _denominator_buffers(denominators, tensors[0]), **hyper)
+    else:
+        _single_tensor_update(*tensors, **hyper)
+
+
+def _gather(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) -> tuple[list[torch.Tensor], ...]:
+    """Params that have gradients, with their grads and state (state created lazily on first use)."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for param in group["params"]:
+        if param.grad is None:
+            continue
+        if param.grad.is_sparse:
+            raise ValueError("AdamW does not support sparse gradients")
+        param_state = state[param]
+        if not param_state:
+            param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        params.append(param)
+        grads.append(param.grad)
+        exp_avgs.append(param_state["exp_avg"])
+        exp_avg_sqs.append(param_state["exp_avg_sq"])
+        steps.append(param_state["step"])
+    return params, grads, exp_avgs, exp_avg_sqs, steps
+
+
+def _denominator_buffers(denominators: dict[torch.Tensor, torch.Tensor],
+                         params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One scratch tensor per param, reallocated only if the param changed shape, dtype or device."""
+    buffers = []
+    for param in params:
+        buffer = denominators.get(param)
+        if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype \
+                or buffer.device != param.device:
+            buffer = denominators[param] = torch.empty_like(param, memory_format=torch.contiguous_format)
+        buffers.append(buffer)
+    return buffers
 
 
 def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
