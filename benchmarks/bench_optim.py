@@ -32,11 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleave, report  # noqa: E402
+from scratchlm.config import RunConfig  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 from scratchlm.optim.adamw import AdamW, param_groups_for  # noqa: E402
-from scratchlm.optim.hybrid import MuonAdamW, split_for_muon  # noqa: E402
+from scratchlm.optim.groups import recipe_param_groups  # noqa: E402
+from scratchlm.optim.hybrid import MuonAdamW  # noqa: E402
 from scratchlm.optim.muon import Muon  # noqa: E402
 from scratchlm.train.checkpoint import CheckpointManager  # noqa: E402
+from scratchlm.train.setup import build_optimizer  # noqa: E402
 from scratchlm.train.step import train_step  # noqa: E402
 
 
@@ -110,17 +113,16 @@ def bench_checkpoint(repeats: int) -> None:
     print(f"checkpoint size {size_mb:,.0f} MB")
 
 
+MUON_RECIPE = RunConfig().with_overrides(["optim.optimizer=muon"])
+
+
 def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return split_for_muon(model)[0]
+    return recipe_param_groups(model, MUON_RECIPE.optim)[0]["params"]
 
 
 def muon_adamw(model: torch.nn.Module) -> MuonAdamW:
-    """Muon on the hidden matrices, AdamW (decay on matrices only) on the rest: the split the trainer will use."""
-    hidden, other_matrices, vectors = split_for_muon(model)
-    adamw = dict(algorithm="adamw", lr=1e-3, betas=(0.9, 0.95))
-    return MuonAdamW([{"params": hidden, "algorithm": "muon", "lr": 0.02, "weight_decay": 0.1},
-                      {"params": other_matrices, **adamw, "weight_decay": 0.1},
-                      {"params": vectors, **adamw, "weight_decay": 0.0}])
+    """Muon on the hidden matrices, AdamW (decay on matrices only) on the rest: the trainer's own optimizer."""
+    return build_optimizer(model, MUON_RECIPE)
 
 
 def whole_model_adamw(model: torch.nn.Module) -> AdamW:

@@ -16,7 +16,7 @@ from torch import nn
 
 from scratchlm.optim import muon as muon_module
 from scratchlm.optim.adamw import AdamW
-from scratchlm.optim.hybrid import MuonAdamW, split_for_muon
+from scratchlm.optim.hybrid import MuonAdamW
 from scratchlm.optim.muon import Muon, newton_schulz
 
 # square, wide, tall, two of one shape (one batch of 2 on the multi-tensor path), a row and a column vector
@@ -299,19 +299,6 @@ def test_hybrid_state_dict_resumes_bit_identically_and_keeps_extra_keys():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert set(resumed.state[saved_params[0]]) == {"momentum_buffer"}
     assert set(resumed.state[saved_params[4]]) == {"step", "exp_avg", "exp_avg_sq"}
-
-
-def test_split_for_muon_leaves_embeddings_head_and_vectors_to_adamw():
-    from scratchlm.model import ModelConfig, TransformerLM
-
-    model = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=2, num_heads=2,
-                                      d_ff=32))
-    hidden, other, vectors = split_for_muon(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert {names[id(p)] for p in other} == {"token_embeddings.weight", "lm_head.weight"}
-    assert all(p.dim() == 1 for p in vectors) and len(vectors) == 2 * 2 + 1
-    assert len(hidden) == 2 * 7 and all(names[id(p)].startswith("layers.") for p in hidden)
-    MuonAdamW([{"params": hidden, "algorithm": "muon"}, {"params": other + vectors, "algorithm": "adamw"}])
 
 
 def test_hybrid_resumes_through_the_checkpoint_manager(tmp_path):

@@ -3,8 +3,8 @@ clipping, from tensor primitives."""
 
 from scratchlm.optim.adamw import AdamW, param_groups_for
 from scratchlm.optim.clip import clip_gradients
-from scratchlm.optim.hybrid import MuonAdamW, split_for_muon
+from scratchlm.optim.hybrid import MuonAdamW
 from scratchlm.optim.muon import Muon
 from scratchlm.optim.schedule import lr_cosine_schedule
 
-__all__ = ["AdamW", "Muon", "MuonAdamW", "clip_gradients", "lr_cosine_schedule", "param_groups_for", "split_for_muon"]
+__all__ = ["AdamW", "Muon", "MuonAdamW", "clip_gradients", "lr_cosine_schedule", "param_groups_for"]

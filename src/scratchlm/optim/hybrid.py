@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from scratchlm.optim.adamw import AdamW, adamw_group_step, validate_adamw
 from scratchlm.optim.muon import Muon, muon_group_step, require_matrices, validate_muon
@@ -77,24 +76,3 @@ class MuonAdamW(torch.optim.Optimizer):
                 adamw_group_step(self.state, group, self._denominators)
         return loss
 
-
-def split_for_muon(model: nn.Module, output_names: tuple[str, ...] = ("token_embeddings", "lm_head")
-                   ) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
-    """(hidden matrices for Muon, other matrices for AdamW, 1-D tensors for AdamW) of a model's trainable params.
-
-    The embeddings and the output head are matrices but not hidden layers: an embedding's gradient touches only
-    the rows of the tokens seen, so orthogonalising it would spread the step over every token; Muon's authors
-    leave both to AdamW. A parameter counts as one of them when a component of its dotted name is in
-    ``output_names``. Tied weights appear once.
-    """
-    hidden, other_matrices, vectors = [], [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.dim() < 2:
-            vectors.append(param)
-        elif set(name.split(".")) & set(output_names) or param.dim() > 2:
-            other_matrices.append(param)
-        else:
-            hidden.append(param)
-    return hidden, other_matrices, vectors

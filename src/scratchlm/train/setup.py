@@ -101,8 +101,9 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
     if optim.optimizer == "muon":
         from scratchlm.optim.hybrid import MuonAdamW
 
-        return MuonAdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-                         momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr)
+        hyper = {"muon": dict(lr=optim.muon_lr, momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr),
+                 "adamw": dict(lr=optim.lr, betas=optim.betas, eps=optim.eps)}
+        return MuonAdamW([{**hyper[group["algorithm"]], **group} for group in groups])
     return AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
