@@ -471,7 +471,9 @@ def main() -> int:
         sys.exit(f"bench_quality: ours' recipe {args.ours_config} not found (give one with --ours-config)")
     train_txt, valid_txt = shared_tinystories()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or ROOT / "runs" / "bench_quality" / f"{args.minutes:g}m-{stamp}"
+    # Absolute paths: the subprocesses run from the repository root, not from the caller's folder.
+    out = (args.out or ROOT / "runs" / "bench_quality" / f"{args.minutes:g}m-{stamp}").resolve()
+    args.ours_config = args.ours_config.resolve()
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:])
