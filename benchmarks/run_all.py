@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/run_all.py            # full runs (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick    # short runs, noisier figures
     .venv/bin/python benchmarks/run_all.py --only bench_encode bench_model
+    .venv/bin/python benchmarks/run_all.py --only bench_quality   # on request only: ~20 min (3 x 5 min training)
 
 Each benchmark is a script `benchmarks/bench_*.py` that prints Markdown tables; this runner executes them one at a
 time (so they do not compete for the cores), and rewrites docs/benchmarks.md with each script's output under the
@@ -25,6 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "benchmarks"
 DOC = ROOT / "docs" / "benchmarks.md"
+# Too long for the routine list (bench_quality trains three models for 5 minutes each): run only when named in --only.
+ON_REQUEST = {"bench_quality"}
 
 
 def machine_description() -> str:
@@ -70,6 +73,8 @@ def main() -> int:
     scripts = sorted(BENCH_DIR.glob("bench_*.py"))
     if args.only:
         scripts = [s for s in scripts if s.stem in set(args.only)]
+    else:
+        scripts = [s for s in scripts if s.stem not in ON_REQUEST]
     sections = previous_sections()
     failed = 0
     for script in scripts:
