@@ -1,6 +1,6 @@
 """`scratchlm demo`: the whole pipeline in one command, on a CPU, in a few minutes.
 
-corpus -> BPE tokenizer (2,048 tokens) -> token files -> a small model trained for a fixed wall-clock budget ->
+corpus -> BPE tokenizer -> token files -> a model trained with the modern recipe for a wall-clock budget ->
 a generated story -> the run's HTML/Markdown report. Everything lands in one output folder that is printed at
 the end.
 
@@ -9,13 +9,12 @@ Design:
   ``scratchlm data download tinystories`` puts in its default folder; ``--data FILE`` trains on any UTF-8 text
   instead, holding out its last ~5% (cut at a nearby document or line boundary) for validation. Only the first
   ``MAX_CORPUS_BYTES`` of a corpus are used, so a huge file cannot blow the time budget.
-- The time budget is met by planning, not by cutting the run short: a few real training steps measure the
-  step time, and ``train.max_steps`` is chosen so that training plus its evaluations fit in ``--minutes``.
-  The warm-up and cosine decay are then laid over exactly those steps, so the schedule ends where it should.
-  Only if the machine becomes much slower mid-run (other busy processes) does a hard stop at 1.5x the budget
-  end training early, through the trainer's own graceful stop (checkpoint, then sample from it).
-- The model and optimizer settings are the small TinyStories CPU recipe (configs/tinystories-cpu.toml) with a
-  2k vocabulary; ``--set section.key=value`` changes any of them, as for ``scratchlm train``.
+- The time budget is the trainer's own (``train.budget_seconds``, train/budget.py): a probe measures the step
+  time and the steps are planned to fill ``--minutes``; if the machine slows down, training still ends at the
+  budget with a final evaluation and checkpoint, and the story is sampled from that.
+- The model and optimizer settings come from a recipe file (``--config``, default configs/recipes/modern.toml),
+  its vocabulary size included unless ``--vocab-size`` says otherwise; ``--set section.key=value`` changes any of
+  them, as for ``scratchlm train``.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from __future__ import annotations
 import argparse
 import codecs
 import math
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from scratchlm.paths import DEFAULT_RECIPE
 
 if TYPE_CHECKING:
     from scratchlm.config import RunConfig
@@ -41,9 +40,6 @@ MAX_CORPUS_BYTES = 8_000_000
 HOLDOUT_FRACTION = 0.05
 EOT = "<|endoftext|>"
 PROMPT = "Once upon a time"
-EVALUATIONS = 8  # evaluations over the run (the learning curve's points)
-HARD_STOP = 1.5  # x the budget: training is stopped (with a checkpoint) if it runs this long
-PLANNED_SHARE = 0.9  # of the budget; the rest absorbs step-time noise (other processes, the final checkpoint)
 
 
 @dataclass
@@ -81,7 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                 "folder, else from `scratchlm data download tinystories`)")
     demo.add_argument("--out", type=Path, help="output folder (default: runs/demo-YYYYmmdd-HHMMSS)")
     demo.add_argument("--minutes", type=float, default=5.0, help="training time budget in minutes (default: 5)")
-    demo.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size (default: 2048)")
+    demo.add_argument("--config", type=Path, default=DEFAULT_RECIPE,
+                      help="recipe: a training config whose model, optim and train settings the demo uses "
+                           "(default: configs/recipes/modern.toml)")
+    demo.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default: the recipe's model.vocab_size)")
     demo.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
                       help="override a training config field, e.g. model.d_model=192 (repeatable)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars; print only the story and the paths")
@@ -167,95 +166,14 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def demo_config(paths: DemoPaths, vocab_size: int, overrides: list[str]) -> RunConfig:
-    """The small TinyStories CPU recipe with the demo's tokenizer, data and run directory (max_steps set later)."""
-    from scratchlm.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-    from scratchlm.model.config import ModelConfig
+def demo_config(paths: DemoPaths, recipe: Path, vocab_size: int, minutes: float, overrides: list[str]) -> RunConfig:
+    """The recipe with the demo's tokenizer, data, run directory and time budget (the trainer plans the steps)."""
+    from scratchlm.config import load_config
 
-    config = RunConfig(
-        model=ModelConfig(vocab_size=vocab_size, context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=384),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=10),
-        data=DataConfig(train_path=str(paths.data / "train.tok"), val_path=str(paths.data / "valid.tok"),
-                        tokenizer=str(paths.tokenizer), batch_size=32),
-        train=TrainConfig(max_steps=100, device="auto", eval_batches=8, run_dir=str(paths.run)))
-    return config.with_overrides(overrides)
-
-
-def measure_step_seconds(config: RunConfig, steps: int = 2) -> float:
-    """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`."""
-    from scratchlm.data.batches import BatchSampler
-    from scratchlm.train.setup import build_model, build_optimizer, open_data, select_device
-    from scratchlm.train.step import train_step
-
-    device = select_device(config.train.device)
-    train_tokens, _ = open_data(config)
-    model = build_model(config, device)
-    optimizer = build_optimizer(model, config)
-    sampler = BatchSampler(train_tokens, config.micro_batch_size, config.model.context_length, device, seed=0)
-    times = []
-    for _ in range(steps + 1):
-        batches = [sampler.next() for _ in range(config.train.grad_accum_steps)]
-        start = time.perf_counter()
-        loss, _ = train_step(model, optimizer, batches, lr=config.optim.lr, grad_clip=config.optim.grad_clip)
-        loss.item()  # wait for the device
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
-
-
-def choose_threads(config: RunConfig) -> tuple[int, float]:
-    """(torch threads, seconds per step): the default thread count, or 1 when that is clearly faster.
-
-    On a CPU shared with other busy processes, PyTorch's worker threads wait on each other and one thread can
-    be several times faster than two; on an idle machine the default wins. Measuring settles it.
-    """
-    import torch
-
-    default = torch.get_num_threads()
-    seconds = measure_step_seconds(config)
-    if default > 1:
-        torch.set_num_threads(1)
-        single = measure_step_seconds(config)
-        if single < 0.8 * seconds:
-            return 1, single
-        torch.set_num_threads(default)
-    return default, seconds
-
-
-def fit_to_budget(config: RunConfig, step_seconds: float, budget_seconds: float) -> RunConfig:
-    """max_steps (and the schedule, logging, evaluation cadence) so training and its evaluations fill the budget.
-
-    An evaluation of eval_batches forward passes costs about eval_batches/3 training steps (no backward).
-    """
-    eval_cost_steps = EVALUATIONS * config.train.eval_batches / 3
-    steps = max(10, int(PLANNED_SHARE * budget_seconds / step_seconds - eval_cost_steps))
-    every = max(1, math.ceil(steps / EVALUATIONS))
-    return config.with_overrides([
-        f"train.max_steps={steps}", f"train.eval_every={every}", f"train.checkpoint_every={steps}",
-        f"train.log_every={max(1, steps // 50)}", f"optim.warmup_iters={min(config.optim.warmup_iters, steps // 10)}",
-    ])
-
-
-class Deadline:
-    """A hard stop for training: after `seconds`, send ourselves SIGINT, which the trainer turns into "save a
-    checkpoint and return". Only matters when the machine gets much slower than the probe measured."""
-
-    def __init__(self, seconds: float) -> None:
-        self.fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-
-    def _fire(self) -> None:
-        self.fired = True
-        signal.raise_signal(signal.SIGINT)
-
-    def __enter__(self) -> Deadline:
-        self._timer.start()
-        return self
-
-    def __exit__(self, kind: type | None, *exc: object) -> None:
-        self._timer.cancel()
-        if kind is KeyboardInterrupt and self.fired:  # it fired before the trainer's stop handler was installed
-            raise TimeoutError("the demo's time limit passed before training started; try a larger --minutes")
+    return load_config(recipe, [
+        f"model.vocab_size={vocab_size}", f"data.train_path={paths.data / 'train.tok'}",
+        f"data.val_path={paths.data / 'valid.tok'}", f"data.tokenizer={paths.tokenizer}", "train.device=auto",
+        f"train.run_dir={paths.run}", f"train.budget_seconds={minutes * 60}", *overrides])
 
 
 def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) -> str:
@@ -271,8 +189,8 @@ def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
 
+    from scratchlm.config import load_config
     from scratchlm.data.encode import encode_corpus
     from scratchlm.errors import UserError
     from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -281,6 +199,9 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if not (math.isfinite(args.minutes) and args.minutes > 0):  # inf would overflow only after the tokenizer's work
         raise UserError(f"--minutes must be a positive finite number, got {args.minutes}")
+    if not args.config.is_file():
+        raise UserError(f"recipe {args.config} not found: pass --config FILE")
+    vocab_size = args.vocab_size or load_config(args.config, args.overrides).model.vocab_size
     paths = DemoPaths(args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     if paths.run.is_dir() and any(paths.run.iterdir()):
         raise UserError(f"{paths.run} already holds a run: choose another --out (or delete that folder)")
@@ -288,8 +209,8 @@ def run_demo(args: argparse.Namespace) -> int:
     progress = not args.quiet and sys.stderr.isatty()
 
     train_text, valid_text = prepare_texts(args.data, paths)
-    say(f"[1/5] training a {args.vocab_size}-token BPE tokenizer on {train_text}")
-    vocab, merges = train_bpe(str(train_text), args.vocab_size, [EOT], progress=progress)
+    say(f"[1/5] training a {vocab_size}-token BPE tokenizer on {train_text}")
+    vocab, merges = train_bpe(str(train_text), vocab_size, [EOT], progress=progress)
     tokenizer = Tokenizer(vocab, merges, [EOT])
     tokenizer.save(paths.tokenizer)
     say(f"[2/5] encoding {train_text.name} and {valid_text.name}")
@@ -297,12 +218,8 @@ def run_demo(args: argparse.Namespace) -> int:
         stats = encode_corpus(tokenizer, [text], paths.data / f"{split}.tok", progress=progress)
         say(f"      {split}: {stats.summary()}")
 
-    config = demo_config(paths, tokenizer.vocab_size, args.overrides)
-    default_threads = torch.get_num_threads()
-    try:
-        return _train_sample_report(args, paths, config, say, started)
-    finally:
-        torch.set_num_threads(default_threads)  # choose_threads may have changed it; callers keep theirs
+    config = demo_config(paths, args.config, tokenizer.vocab_size, args.minutes, args.overrides)
+    return _train_sample_report(args, paths, config, say, started)
 
 
 def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: RunConfig, say: Callable[[str], None],
@@ -310,19 +227,14 @@ def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: Run
     from scratchlm.experiments.report import write_report
     from scratchlm.train.trainer import train
 
-    threads, step_seconds = choose_threads(config)
-    config = fit_to_budget(config, step_seconds, args.minutes * 60)
-    say(f"[3/5] training d_model={config.model.d_model} x {config.model.num_layers} layers for "
-        f"{config.train.max_steps} steps of {config.tokens_per_step:,} tokens ({step_seconds:.2f} s/step measured "
-        f"with {threads} thread{'s' * (threads > 1)}, budget {args.minutes:g} min)")
-    with Deadline(HARD_STOP * args.minutes * 60) as deadline:
-        result = train(config, quiet=args.quiet)
-    if result.status == "interrupted" and deadline.fired:
-        say(f"      stopped at the time limit at step {result.final_step} of {config.train.max_steps} "
-            "(the machine got slower than measured)")
+    say(f"[3/5] training d_model={config.model.d_model} x {config.model.num_layers} layers ({args.config.name}) "
+        f"for {args.minutes:g} min")
+    result = train(config, quiet=args.quiet)
+    if result.message:
+        say(f"      {result.message}")
     say("[4/5] writing the report")
     html_path, md_path = write_report([paths.run], out_dir=paths.report, title="scratchlm demo")
-    if result.status != "finished" and not deadline.fired:
+    if result.status != "finished":
         print(f"scratchlm demo: training {result.status}: {result.message}; run directory: {paths.run}",
               file=sys.stderr)
         return 130 if result.status == "interrupted" else 1

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 DATA_DIR_ENV = "SCRATCHLM_DATA_DIR"
+# The modern recipe (configs/recipes/modern.toml in the checkout): the default of `demo` and `plan`.
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "recipes" / "modern.toml"
 
 
 def _candidates() -> list[Path]:

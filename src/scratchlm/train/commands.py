@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
+from scratchlm.paths import DEFAULT_RECIPE
 
 TRAIN_EPILOG = """examples:
   scratchlm train --config configs/tiny.toml --set data.train_path=train.tok --set data.val_path=valid.tok
@@ -40,6 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "step; shorthand for --set train.budget_seconds=SECONDS")
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     train.set_defaults(func=run_train)
+
+    plan = subparsers.add_parser("plan", help="suggest a model shape and step count for a time budget",
+                                 description="Measure this machine's training throughput on a recipe and rank model "
+                                             "shapes for a time budget by predicted loss (compute-optimal, aware "
+                                             "that a small corpus is repeated: accounting/sizing.py); prints the "
+                                             "best as --set overrides for `scratchlm train --budget`.")
+    plan.add_argument("--budget", required=True, metavar="DURATION", help="time budget: 25m, 1.5h, 900s, 900")
+    plan.add_argument("--data", required=True, type=Path, help="training token file (its size sets the epochs)")
+    plan.add_argument("--config", type=Path, default=DEFAULT_RECIPE,
+                      help=f"recipe to size (default: {DEFAULT_RECIPE.relative_to(DEFAULT_RECIPE.parents[2])})")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                      help="override a config field before sizing (repeatable)")
+    plan.add_argument("--device", help="shorthand for --set train.device=D")
+    plan.add_argument("--top", type=int, default=8, help="how many shapes to list (default: 8)")
+    plan.set_defaults(func=run_plan)
 
     evaluate = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a token file",
                                      description="Evaluate a checkpoint (or a run's newest valid one) on any token "
@@ -104,6 +120,47 @@ def _refuse_overwriting_config(given: Path | None, saved: Path) -> None:
     if given is not None and saved.exists() and same_path(given, saved) and not is_resolved_config(given):
         raise UserError(f"--config {given} is the run directory's config.toml, which train replaces with the "
                         f"resolved config: keep your config outside the run directory, or choose another --run-dir")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from scratchlm.accounting.sizing import rank_shapes
+    from scratchlm.config import load_config
+    from scratchlm.data.token_file import open_token_file
+    from scratchlm.errors import UserError
+    from scratchlm.train.budget import PLANNED_SHARE, choose_threads, parse_duration
+    from scratchlm.train.trainer import model_step_flops
+
+    if args.top < 1:
+        raise UserError(f"--top must be at least 1, got {args.top}")
+    budget = parse_duration(args.budget)
+    if not args.config.is_file():
+        raise UserError(f"recipe {args.config} not found: pass --config FILE")
+    data = open_token_file(args.data)
+    overrides = [*args.overrides, f"data.train_path={args.data}", "data.val_path=", "data.tokenizer=none"]
+    overrides += [f"model.vocab_size={data.vocab_size}"] + ([f"train.device={args.device}"] if args.device else [])
+    config = load_config(args.config, overrides)
+    threads, step_seconds = choose_threads(config)
+    model = config.model
+    step_flops = model_step_flops(config)
+    flops_per_second = step_flops / step_seconds
+    seconds = PLANNED_SHARE * budget
+    ranked = rank_shapes(model, flops_per_second, seconds, len(data.tokens), config.data.batch_size)
+    print(f"probe: {args.config.name} (d_model={model.d_model}, {model.num_layers} layers) takes {step_seconds:.3f} s "
+          f"a step with {threads} thread{'s' * (threads > 1)} here: {flops_per_second / 1e9:.1f} GFLOP/s of training; "
+          f"{seconds:.0f} s of training buy {flops_per_second * seconds:.3g} FLOPs; the data holds "
+          f"{len(data.tokens):,} tokens")
+    print("| d_model | layers | heads | d_ff | non-emb. params | tokens | epochs | steps | predicted loss |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    tokens_per_step = config.tokens_per_step
+    for c in ranked[:args.top]:
+        print(f"| {c.model.d_model} | {c.model.num_layers} | {c.model.num_heads} | {c.model.d_ff} | "
+              f"{c.non_embedding_params / 1e6:.2f}M | {c.tokens / 1e6:.1f}M | {c.epochs:.1f} | "
+              f"{int(c.tokens / tokens_per_step):,} | {c.predicted_loss:.3f} |")
+    best = ranked[0].model
+    diff = " ".join(f"--set model.{key}={getattr(best, key)}" for key in ("d_model", "num_layers", "num_heads", "d_ff")
+                    if getattr(best, key) != getattr(model, key))
+    print(f"\nbest: scratchlm train --config {args.config} --budget {args.budget} {diff or '(the recipe as it is)'}")
+    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -119,7 +119,7 @@ def _rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
-def _step_flops(config: RunConfig) -> float:
+def model_step_flops(config: RunConfig) -> float:
     """Forward + backward FLOPs of one optimizer step (the MFU numerator; the optimizer's own work is left out)."""
     from scratchlm.accounting.params_flops import training_step_flops
 
@@ -265,7 +265,7 @@ class _Loop:
         self.window_loss = torch.tensor(state.window_loss_sum, device=device)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
-        self.step_flops = _step_flops(config) if self.peak_flops else None
+        self.step_flops = model_step_flops(config) if self.peak_flops else None
         self.budget = BudgetClock(config, used=state.budget_used)
 
     def run(self, stop: StopRequest) -> TrainResult:
