@@ -141,7 +141,9 @@ def run_command(argv: list[str], threads: int) -> float:
 def ours_train_argv(recipe: Path, minutes: float, run_dir: Path, overrides: list[str], steps: int | None) -> list[str]:
     """`scratchlm train` as a user runs it; ``steps`` (development only) replaces the budget by a step count."""
     sets = [arg for override in overrides for arg in ("--set", override)]
-    length = ["--set", f"train.max_steps={steps}"] if steps else ["--budget", f"{minutes:g}m"]
+    # Equal training wall-clock with the rivals: the budget leaves ours' evaluations out, as theirs are.
+    length = ["--set", f"train.max_steps={steps}"] if steps else ["--budget", f"{minutes:g}m",
+                                                                   "--set", "train.budget_includes_eval=false"]
     return scratchlm_command("train", "--config", str(recipe), "--run-dir", str(run_dir), "--quiet", *sets, *length)
 
 
@@ -192,15 +194,10 @@ def run_ours(args: argparse.Namespace, out: Path, train_txt: Path,
 
 
 def training_clock(records: list[dict]) -> Callable[[int], float]:
-    """Step -> seconds of training alone up to it, from the train records' windows (tokens / tokens_per_s: the
-    trainer leaves evaluation and checkpoint time out of tokens_per_s, while its wall_time counts them). A step
-    between two train records gets the time at the earlier one (evaluations fall on log steps in practice)."""
-    steps, seconds, tokens, total = [0], [0.0], 0, 0.0
-    for record in (r for r in records if r["kind"] == "train"):
-        total += (record["tokens"] - tokens) / record["tokens_per_s"]
-        tokens = record["tokens"]
-        steps.append(record["step"])
-        seconds.append(total)
+    """Step -> seconds of training alone up to it: the records' train_time (evaluations and checkpoints left out,
+    as the budget with train.budget_includes_eval = false counts it)."""
+    timed = sorted((r["step"], r["train_time"]) for r in records if r["kind"] in ("train", "eval"))
+    steps, seconds = [0] + [s for s, _ in timed], [0.0] + [t for _, t in timed]
     return lambda step: seconds[int(np.searchsorted(steps, step, side="right")) - 1]
 
 
@@ -455,7 +452,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a 1-minute budget (run_all.py --quick)")
     parser.add_argument("--out", type=Path, help="output folder (default runs/bench_quality/<budget>-<time>)")
     parser.add_argument("--ours-config", type=Path, default=DEFAULT_RECIPE, help="ours' recipe TOML")
-    parser.add_argument("--ours-vocab", type=int, default=10_000, help="ours' tokenizer vocabulary")
+    parser.add_argument("--ours-vocab", type=int, help="ours' tokenizer vocabulary (default: the recipe's)")
     parser.add_argument("--ours-steps", type=int, help="development: train ours for N steps instead of --budget")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.KEY=VALUE",
                         help="extra override for ours' `scratchlm train` (repeatable)")
@@ -465,7 +462,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.minutes = 1.0
-    if args.minutes <= 0 or args.threads < 1 or args.ours_vocab < 257:
+    if args.ours_vocab is None and args.ours_config.is_file():
+        args.ours_vocab = load_config(args.ours_config).model.vocab_size
+    if args.minutes <= 0 or args.threads < 1 or (args.ours_vocab or 0) < 257:
         sys.exit("bench_quality: --minutes and --threads must be positive and --ours-vocab at least 257")
     if not args.ours_config.is_file():
         sys.exit(f"bench_quality: ours' recipe {args.ours_config} not found (give one with --ours-config)")
