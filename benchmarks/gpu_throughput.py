@@ -7,7 +7,11 @@ the ``.md`` header first and one row appended per shape, the JSON rewritten (ato
 ``"complete": false`` until the last. A shape that raises (out of memory, say) gets an error row, the next shape
 still runs, and the exit status is 1.
 
-What is timed: ``step.train_step`` (forward, backward, global-norm clipping, our AdamW) exactly as the trainer
+Shapes: tinystories-17m and GPT-2 small with the CS336 recipe (AdamW), and tinystories-17m with the modern recipe
+(configs/recipes/modern.toml: Muon for the hidden matrices, QK-norm, ReLU², soft-capped logits) beside it, so the
+cost of the recipe's pieces on a GPU is one row apart.
+
+What is timed: ``step.train_step`` (forward, backward, global-norm clipping, the optimizer) exactly as the trainer
 runs it, with the one-GPU fast path switched on: bf16 autocast (fp32 master weights), TF32 matmuls,
 ``torch.compile`` of the model and the fused SDPA attention kernel. Batches are random token ids already on the
 GPU: the trainer's pinned, non-blocking copies overlap compute, so data loading is not what this measures.
@@ -32,7 +36,9 @@ from pathlib import Path
 import torch
 
 from scratchlm.accounting.params_flops import training_step_flops
-from scratchlm.config import RunConfig
+from scratchlm.config import RunConfig, load_config
+from scratchlm.model.config import PRESETS
+from scratchlm.paths import DEFAULT_RECIPE
 from scratchlm.train.metrics import device_peak_flops
 from scratchlm.train.setup import build_model, build_optimizer, wrap_model
 from scratchlm.train.step import train_step
@@ -44,15 +50,24 @@ TARGETS = {"tinystories-17m": ("tokens_per_s", 400_000), "gpt2-small": ("mfu", 0
 class Shape:
     preset: str
     batch_size: int  # sequences per step (context length is the preset's)
+    recipe: str = "cs336"  # cs336: the preset as it is, AdamW | modern: configs/recipes/modern.toml at its shape
 
 
-SHAPES = (Shape("tinystories-17m", 128), Shape("gpt2-small", 32))
+SHAPES = (Shape("tinystories-17m", 128), Shape("tinystories-17m", 128, "modern"), Shape("gpt2-small", 32))
+SHAPE_KEYS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads")
 
 
 def run_config(shape: Shape) -> RunConfig:
-    return RunConfig.from_dict({
-        "model": {"preset": shape.preset}, "optim": {"warmup_iters": 0}, "data": {"batch_size": shape.batch_size},
-        "train": {"device": "cuda", "dtype": "bf16", "compile": True, "fused_attention": True, "max_steps": 10}})
+    train = {"device": "cuda", "dtype": "bf16", "compile": True, "fused_attention": True, "max_steps": 10}
+    if shape.recipe == "cs336":
+        return RunConfig.from_dict({"model": {"preset": shape.preset}, "optim": {"warmup_iters": 0},
+                                    "data": {"batch_size": shape.batch_size}, "train": train})
+    # The modern recipe's switches and optimizer (Muon, QK-norm, ReLU², ...) at the preset's shape; d_ff follows
+    # the recipe's FFN (ReLU²: 4·d_model).
+    preset = PRESETS[shape.preset]
+    shape_overrides = [f"model.{key}={preset[key]}" for key in SHAPE_KEYS] + ["model.d_ff=none"]
+    return load_config(DEFAULT_RECIPE, [*shape_overrides, f"data.batch_size={shape.batch_size}",
+                                        "optim.warmup_iters=0", *(f"train.{k}={v}" for k, v in train.items())])
 
 
 def measure(shape: Shape, warmup_steps: int, seconds: float) -> dict:
@@ -86,7 +101,7 @@ def measure(shape: Shape, warmup_steps: int, seconds: float) -> dict:
     flops = training_step_flops(config.model, context, shape.batch_size)
     peak = device_peak_flops(torch.cuda.get_device_name(device), "bf16")
     achieved = steps * (flops.forward + flops.backward) / elapsed
-    return {"preset": shape.preset, "batch_size": shape.batch_size, "context_length": context,
+    return {"preset": shape.preset, "recipe": shape.recipe, "batch_size": shape.batch_size, "context_length": context,
             "parameters": sum(p.numel() for p in raw.parameters()), "steps": steps, "seconds": elapsed,
             "warmup_s": warmup_s, "step_ms": 1000 * elapsed / steps,
             "tokens_per_s": steps * shape.batch_size * context / elapsed, "tflops": achieved / 1e12,
@@ -95,7 +110,7 @@ def measure(shape: Shape, warmup_steps: int, seconds: float) -> dict:
 
 
 def verdict(row: dict) -> str:
-    metric, target = TARGETS.get(row["preset"], (None, None))
+    metric, target = TARGETS.get(row["preset"], (None, None)) if row["recipe"] == "cs336" else (None, None)
     if metric is None or row.get(metric) is None:
         return "n/a"
     return f"{'PASS' if row[metric] >= target else 'MISS'} ({metric} >= {target:g})"
@@ -106,15 +121,16 @@ def markdown_header(report: dict) -> str:
         f"# GPU throughput ({report['date']})", "",
         f"Device: {report['device']}; torch {report['torch']}; bf16 autocast + TF32 + torch.compile + fused "
         f"attention; peak bf16 {report['peak_tflops']} TFLOP/s.", "",
-        "| shape | batch x context | params | step ms | tokens/s | TFLOP/s | MFU | peak mem GiB | target |",
-        "|---|---|---|---|---|---|---|---|---|"]) + "\n"
+        "| shape | recipe | batch x context | params | step ms | tokens/s | TFLOP/s | MFU | peak mem GiB | target |",
+        "|---|---|---|---|---|---|---|---|---|---|"]) + "\n"
 
 
 def markdown_row(row: dict) -> str:
     if "error" in row:
-        return f"| {row['preset']} | {row['batch_size']} x ? | - | - | - | - | - | - | ERROR: {row['error']} |\n"
+        return (f"| {row['preset']} | {row['recipe']} | {row['batch_size']} x ? | - | - | - | - | - | - | "
+                f"ERROR: {row['error']} |\n")
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
-    return (f"| {row['preset']} | {row['batch_size']} x {row['context_length']} | "
+    return (f"| {row['preset']} | {row['recipe']} | {row['batch_size']} x {row['context_length']} | "
             f"{row['parameters'] / 1e6:.1f}M | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
             f"{row['tflops']:.1f} | {mfu} | {row['peak_memory_gib']:.2f} | {verdict(row)} |\n")
 
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(shape, args.warmup_steps, seconds)
         except Exception as exc:  # noqa: BLE001 - one shape's failure (OOM, compile error) must not lose the other
             failed = True
-            row = {"preset": shape.preset, "batch_size": shape.batch_size,
+            row = {"preset": shape.preset, "recipe": shape.recipe, "batch_size": shape.batch_size,
                    "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200].replace("|", "/")}
             print(f"{shape.preset}: FAILED: {row['error']}", flush=True)
         else:
