@@ -4,6 +4,7 @@ projections, logit soft-capping, the WSD schedule, the per-role param groups, an
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from scratchlm.accounting.params_flops import count_params
 from scratchlm.compat.hf import check_llama_compatible
-from scratchlm.config import RunConfig
+from scratchlm.config import RunConfig, load_config
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.optim.groups import recipe_param_groups
@@ -104,8 +105,8 @@ def test_hf_export_refuses_what_llama_cannot_express():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(logit_softcap=0.0), "model.logit_softcap must be a finite number > 0"),
-    (dict(logit_softcap=float("inf")), "model.logit_softcap must be a finite number > 0"),
+    (dict(logit_softcap=-1.0), "model.logit_softcap must be a finite number >= 0"),
+    (dict(logit_softcap=float("inf")), "model.logit_softcap must be a finite number >= 0"),
     (dict(qk_norm="yes"), "model.qk_norm must be true or false"),
     (dict(ffn="relu3"), "model.ffn must be one of"),
 ])
@@ -183,3 +184,31 @@ def test_muon_is_refused_a_gain_by_name():
 def test_the_cs336_recipe_keeps_its_two_adamw_groups():
     model, groups = groups_for()
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and all("algorithm" not in g for g in groups)
+
+
+# ---------------------------------------------------------------------------------------------------- recipes
+
+RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"
+ABLATIONS = {"no-muon": {"optim.optimizer"}, "no-qk-norm": {"model.qk_norm"}, "swiglu": {"model.ffn", "model.d_ff"},
+             "no-zero-init": {"model.zero_init_residual"}, "no-softcap": {"model.logit_softcap"},
+             "shared-lr": {"optim.embedding_lr", "optim.head_lr"}, "cosine": {"optim.schedule", "optim.min_lr"}}
+
+
+def flat(config: RunConfig) -> dict:
+    return {f"{section}.{key}": value for section, table in config.to_dict().items() for key, value in table.items()
+            if key != "run_dir"}
+
+
+@pytest.mark.parametrize("name, changed", ABLATIONS.items())
+def test_each_ablation_removes_exactly_one_piece_of_the_modern_recipe(name, changed):
+    modern, ablation = flat(load_config(RECIPES / "modern.toml")), flat(load_config(RECIPES / "ablations" /
+                                                                                     f"{name}.toml"))
+    assert {key for key in modern if modern[key] != ablation[key]} == changed
+    if name == "shared-lr":  # the same rate as the gains: optim.lr
+        assert ablation["optim.embedding_lr"] == ablation["optim.head_lr"] == modern["optim.lr"]
+    if name == "cosine":
+        assert ablation["optim.min_lr"] == pytest.approx(modern["optim.lr"] / 10)
+
+
+def test_every_ablation_file_is_in_the_table():
+    assert {path.stem for path in (RECIPES / "ablations").glob("*.toml")} == set(ABLATIONS)

@@ -46,7 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE: bounds the attention logits
     zero_init_residual: bool = False  # attention output and FFN down projections start at 0 (blocks start as identity)
-    logit_softcap: float | None = None  # logits -> cap · tanh(logits / cap); None: no cap
+    logit_softcap: float = 0.0  # logits -> cap · tanh(logits / cap); 0: no cap
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -69,8 +69,9 @@ class ModelConfig:
         for name in ("tie_embeddings", "qk_norm", "zero_init_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.logit_softcap is not None and not (_is_finite_number(self.logit_softcap) and self.logit_softcap > 0):
-            raise ValueError(f"model.logit_softcap must be a finite number > 0 (or none), got {self.logit_softcap!r}")
+        if not (_is_finite_number(self.logit_softcap) and self.logit_softcap >= 0):
+            raise ValueError(f"model.logit_softcap must be a finite number >= 0 (0: no cap), "
+                             f"got {self.logit_softcap!r}")
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

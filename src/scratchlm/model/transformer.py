@@ -155,7 +155,7 @@ class TransformerLM(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.ln_final(x))  # (B, T, vocab_size), T = 1 with last_only
         cap = self.config.logit_softcap
-        if cap is not None:  # smoothly bounds every logit to (-cap, cap): no runaway confidence (Gemma 2)
+        if cap:  # smoothly bounds every logit to (-cap, cap): no runaway confidence (Gemma 2)
             logits = cap * torch.tanh(logits / cap)
         return logits
 
