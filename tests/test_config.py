@@ -134,7 +134,7 @@ def test_with_overrides(base: Path):
     assert config.train.seed == 7 and config.model == ModelConfig.preset("tiny")
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+@pytest.mark.parametrize("name", sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.toml")))
 def test_shipped_configs_load(name: str):
     config = load_config(CONFIGS / name)
     assert config.train.max_steps >= config.optim.warmup_iters
