@@ -32,6 +32,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
+MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 MUON_PARAMS = r"^layers\.\d+\.(attn\.(q|k|v|output)_proj|ffn\.w[123])\.weight$"  # the hidden matrices
 PARALLEL = ("ddp", "fsdp")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -57,6 +58,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "original"  # muon: original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
     muon_params: str = MUON_PARAMS  # muon: regular expression over parameter names (matched ones go to Muon)
+    muon_ns_dtype: str = "auto"  # muon: Newton-Schulz in bfloat16 | float32 | auto (float32 on CPU, else bfloat16)
 
     def __post_init__(self) -> None:
         _require(self.optimizer in OPTIMIZERS, f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
@@ -80,6 +82,8 @@ class OptimConfig:
             re.compile(self.muon_params)
         except re.error as error:
             raise ValueError(f"optim.muon_params {self.muon_params!r} is not a regular expression: {error}") from None
+        _require(self.muon_ns_dtype in MUON_NS_DTYPES,
+                 f"optim.muon_ns_dtype must be one of {MUON_NS_DTYPES}, got {self.muon_ns_dtype!r}")
         _require(self.muon_adjust_lr in MUON_ADJUST_LR,
                  f"optim.muon_adjust_lr must be one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}")
 

@@ -36,6 +36,8 @@ MAX_NS_STEPS = 100  # torch's bound: more steps buy nothing and cost a matrix pr
 MAX_BATCH_ELEMENTS = 2**24  # the multi-tensor path's batches: 64 MB of fp32 (all of a tinystories-17m bucket)
 
 
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # what Newton-Schulz may compute in
+
 def validate_muon(group: dict[str, Any]) -> None:
     """Checks the hyperparameters of the defaults and of every param group (also those added later)."""
     lr, momentum, weight_decay, eps = group["lr"], group["momentum"], group["weight_decay"], group["eps"]
@@ -48,6 +50,8 @@ def validate_muon(group: dict[str, Any]) -> None:
         raise ValueError(f"Muon: invalid weight_decay {weight_decay!r} (must be >= 0)")
     if not eps >= 0.0:
         raise ValueError(f"Muon: invalid eps {eps!r} (must be >= 0)")
+    if group.get("ns_dtype", "bfloat16") not in NS_DTYPES:
+        raise ValueError(f"Muon: invalid ns_dtype {group['ns_dtype']!r} (one of {sorted(NS_DTYPES)})")
     if len(coefficients) != 3:
         raise ValueError(f"Muon: ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
     if not isinstance(ns_steps, int) or not 0 < ns_steps < MAX_NS_STEPS:
@@ -67,8 +71,9 @@ def require_matrices(group: dict[str, Any], group_index: int) -> None:
                              "Muon only updates 2-D matrices: give it to AdamW")
 
 
-def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Orthogonalise G (m, n), or a batch of them (k, m, n): returns ~U V^T where G = U S V^T, in bfloat16.
+def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: str = "bfloat16") -> torch.Tensor:
+    """Orthogonalise G (m, n), or a batch of them (k, m, n): returns ~U V^T where G = U S V^T, in ``dtype``.
 
     Why: a gradient (and its momentum) of a weight matrix is nearly low rank: a few directions dominate and a
     plain step moves mostly along them. Replacing its singular values by 1 gives every direction the same step
@@ -87,10 +92,13 @@ def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], ste
     iteration converges; eps keeps a zero matrix at zero. A tall matrix is transposed so the Gram matrix
     A = XX^T is the smaller of the two. Each line is one fused multiply-add with a single rounding, as in
     ``torch.optim.Muon``, which runs in bfloat16: the iteration tolerates the rounding and is cheap in it on GPUs.
+    ``dtype="float32"`` runs the same products in float32: more accurate, and faster on CPUs whose bfloat16 matrix
+    products are slower than their float32 ones (measured in docs/benchmarks.md); the trainer picks it on CPU.
     """
     a, b, c = coefficients
     tall = G.size(-2) > G.size(-1)
-    X = G.bfloat16().mT if tall else G.bfloat16()
+    X = G.to(NS_DTYPES[dtype])
+    X = X.mT if tall else X
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # singular values now in [0, 1]
     for _ in range(steps):
         A = X @ X.mT  # (m, m) Gram matrix, m = the short side
@@ -120,10 +128,11 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-7,
-                 ns_steps: int = 5, adjust_lr_fn: str | None = None, *, foreach: bool | None = None) -> None:
+                 ns_steps: int = 5, adjust_lr_fn: str | None = None, *, foreach: bool | None = None,
+                 ns_dtype: str = "bfloat16") -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, foreach=foreach)
+                        adjust_lr_fn=adjust_lr_fn, foreach=foreach, ns_dtype=ns_dtype)
         validate_muon(defaults)
         super().__init__(params, defaults)  # calls add_param_group for each group
 
@@ -155,7 +164,8 @@ def muon_group_step(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, 
         return
     hyper = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
                  nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
-                 ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"])
+                 ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+                 ns_dtype=group.get("ns_dtype", "bfloat16"))  # a torch.optim.Muon state dict has no ns_dtype
     if group.get("foreach") in (None, True):  # a torch.optim.Muon state dict has no "foreach": the default
         _foreach_update(params, grads, buffers, **hyper)
     else:
@@ -182,12 +192,12 @@ def _gather(state: dict[torch.Tensor, dict[str, Any]], group: dict[str, Any]) ->
 def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], *,
                           lr: float, weight_decay: float, momentum: float, nesterov: bool,
                           ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
-                          adjust_lr_fn: str | None) -> None:
+                          adjust_lr_fn: str | None, ns_dtype: str) -> None:
     """The update one matrix at a time: the readable reference path."""
     for param, grad, buffer in zip(params, grads, buffers):
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if nesterov else buffer
-        orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps)
+        orthogonal = newton_schulz(update, ns_coefficients, ns_steps, eps, ns_dtype)
         param.mul_(1 - lr * weight_decay)
         param.add_(orthogonal, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
 
@@ -195,7 +205,7 @@ def _single_tensor_update(params: list[torch.Tensor], grads: list[torch.Tensor],
 def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], *,
                     lr: float, weight_decay: float, momentum: float, nesterov: bool,
                     ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
-                    adjust_lr_fn: str | None) -> None:
+                    adjust_lr_fn: str | None, ns_dtype: str) -> None:
     """The same update with the momentum in ``torch._foreach_*`` calls and one batched Newton-Schulz per
     (shape, device, dtype) bucket: the matrices of a bucket share their shape, hence their adjusted lr.
 
@@ -215,7 +225,7 @@ def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffe
             b_buffers = [buffers[i] for i in batch]
             torch._foreach_lerp_(b_buffers, b_grads, 1 - momentum)
             updates = torch._foreach_lerp(b_grads, b_buffers, momentum) if nesterov else b_buffers
-            orthogonal = newton_schulz(torch.stack(updates), ns_coefficients, ns_steps, eps)  # (k, rows, cols)
+            orthogonal = newton_schulz(torch.stack(updates), ns_coefficients, ns_steps, eps, ns_dtype)  # (k, m, n)
             torch._foreach_mul_(b_params, 1 - lr * weight_decay)
             torch._foreach_add_(b_params, orthogonal.unbind(0),
                                 alpha=-adjusted_lr(lr, adjust_lr_fn, b_params[0].shape))

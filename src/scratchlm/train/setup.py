@@ -101,7 +101,11 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
     if optim.optimizer == "muon":
         from scratchlm.optim.hybrid import MuonAdamW
 
-        hyper = {"muon": dict(lr=optim.muon_lr, momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr),
+        ns_dtype = optim.muon_ns_dtype
+        if ns_dtype == "auto":  # CPUs tend to multiply float32 faster than bfloat16 (docs/benchmarks.md)
+            ns_dtype = "float32" if next(model.parameters()).device.type == "cpu" else "bfloat16"
+        hyper = {"muon": dict(lr=optim.muon_lr, momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr,
+                              ns_dtype=ns_dtype),
                  "adamw": dict(lr=optim.lr, betas=optim.betas, eps=optim.eps)}
         return MuonAdamW([{**hyper[group["algorithm"]], **group} for group in groups])
     return AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
