@@ -187,6 +187,29 @@ def test_sigkill_then_resume_is_bitwise_identical(data, finished_run: Path, tmp_
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 13))  # no duplicated steps
 
 
+MODERN = ("optim.optimizer=muon", "optim.muon_lr=0.02", "optim.embedding_lr=0.01", "optim.head_lr=0.002",
+          "optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.warmup_iters=2", "model.qk_norm=true",
+          "model.ffn=relu2", "model.zero_init_residual=true", "model.logit_softcap=15")
+
+
+def test_modern_recipe_sigkill_then_resume_is_bitwise_identical(data, tmp_path: Path):
+    """Muon and AdamW as one optimizer state (momentum buffers, moments, steps, each group's lr_scale) resume
+    exactly, with the recipe's other switches on."""
+    whole = tmp_path / "whole"
+    assert train(tiny_config(data, whole, *SLOW, *MODERN), quiet=True).status == "finished"
+    run_dir = tmp_path / "killed"
+    process = launch(data, run_dir, *SLOW, *MODERN)
+    wait_for_step(process, run_dir, 6)
+    process.kill()
+    process.wait()
+    resumed = launch(data, run_dir, *SLOW, *MODERN, resume=True)
+    _, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr
+    expected = [r["loss"] for r in records(whole, "train")]
+    assert [r["loss"] for r in records(run_dir, "train")] == expected
+    assert expected[-1] < expected[0]  # and it learns
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data, finished_run: Path, tmp_path: Path):
     run_dir = tmp_path / "terminated"
     process = launch(data, run_dir, *SLOW)
