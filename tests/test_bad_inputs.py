@@ -148,6 +148,15 @@ DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/va
      "but this run was trained with tokenizer", None),  # a retrained tokenizer, its token files re-encoded
     (["--set", "data.train_path={T}/missing.tok", "--run-dir", "{T}/new/run"], "missing.tok does not exist", None),
     (["--set", "data.train_path={T}/corpus.txt", "--run-dir", "{T}/run2"], "is not a scratchlm token file", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--budget", "25 minutes"], "budget '25 minutes' is not a positive duration",
+     None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--budget", "0.001s"], "budget 0.001 s is too small: a step takes", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--set", "optim.optimizer=muon", "--set", "optim.muon_params=^layers"],
+     "selects layers.0.ln1.weight of shape (64,): Muon takes 2-D matrices only", None),
+    (["--run-dir", "{T}/run", "--resume", "--budget", "5m"],
+     "cannot resume {T}/run: it was planned without a budget, this asks for 300.0 s", None),
+    (["--run-dir", "{T}/run", "--resume", "--set", "optim.lr=5e-3"],
+     "the optimizer settings changed (saved -> asked: optim.lr 0.003 -> 0.005)", None),
 ])
 def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]

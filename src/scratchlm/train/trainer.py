@@ -166,8 +166,10 @@ def _planned(config: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> Run
     if resume and saved_path.is_file():
         saved = load_config(saved_path)
         if saved.train.budget_seconds != config.train.budget_seconds:
-            raise ValueError(f"cannot resume {run_dir}: it was planned for a budget of {saved.train.budget_seconds} "
-                             f"s, this asks for {config.train.budget_seconds} s (a budget cannot change mid-run)")
+            was = "without a budget" if saved.train.budget_seconds is None else \
+                f"for a budget of {saved.train.budget_seconds} s"
+            raise ValueError(f"cannot resume {run_dir}: it was planned {was}, this asks for "
+                             f"{config.train.budget_seconds} s (a budget cannot change mid-run)")
         planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
         return config.with_overrides(planned)
     config, plan = plan_budget(config)
