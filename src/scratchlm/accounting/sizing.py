@@ -60,7 +60,7 @@ def predicted_loss(params: float, tokens: float) -> float:
 
 
 def candidate_shapes(base: ModelConfig) -> list[ModelConfig]:
-    """The ladder: every width and depth with 64-dimensional heads (one head below 64), the rest of `base` kept
+    """The ladder: every width and depth with d_model // 64 heads (at least one), the rest of `base` kept
     (d_ff re-derived from the FFN kind unless the recipe fixes its ratio to d_model)."""
     shapes = []
     for width in WIDTHS:
