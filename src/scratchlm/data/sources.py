@@ -213,7 +213,7 @@ def _text_lines(source: Source, errors: str) -> Iterator[tuple[int, str]]:
                 text = line.decode("utf-8", errors=errors)
             except UnicodeDecodeError as error:
                 raise ValueError(f"{source.path}:{number}: invalid UTF-8 at column {error.start + 1} "
-                                 f"({error.reason}); fix the file or use --errors replace to substitute U+FFFD") from None
+                                 f"({error.reason}); fix the file or use --errors replace") from None
             yield number, text
 
 
