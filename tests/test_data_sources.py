@@ -110,11 +110,15 @@ def test_every_format_gives_the_ids_of_the_same_documents(tokenizer, tmp_path, k
     assert stats.num_tokens == len(_expected(tokenizer, DOCUMENTS))
 
 
-def test_hf_dataset_saved_to_disk_and_local_parquet(tokenizer, tmp_path):
+def test_hf_dataset_saved_to_disk(tokenizer, tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"story": DOCUMENTS}).save_to_disk(str(tmp_path / "saved"))
     encode_corpus(tokenizer, [f"hf:{tmp_path / 'saved'}"], tmp_path / "a.tok", workers=1, text_field="story")
     assert _ids(tmp_path / "a.tok") == _expected(tokenizer, DOCUMENTS)
+
+
+def test_hf_dataset_of_a_local_parquet_folder(tokenizer, tmp_path):
+    pytest.importorskip("datasets")
     (tmp_path / "pq").mkdir()
     _write_parquet(tmp_path / "pq" / "train.parquet", DOCUMENTS)
     encode_corpus(tokenizer, [f"hf:{tmp_path / 'pq'}"], tmp_path / "b.tok", workers=1)
