@@ -46,7 +46,12 @@ def small_chunks(monkeypatch):
 
 
 def _expected_ids(tokenizer, paths):
-    return [i for path in paths for i in tokenizer.encode(path.read_bytes().decode("utf-8"))]
+    """Each file's ids, then <|endoftext|> unless the file already ends with it."""
+    ids = []
+    for path in paths:
+        text = path.read_bytes().decode("utf-8")
+        ids += tokenizer.encode(text) + ([] if text.endswith(EOT) or not text else [tokenizer.special_id(EOT)])
+    return ids
 
 
 def test_one_and_two_workers_give_identical_files_equal_to_encode(tokenizer, tokenizer_dir, corpus, tmp_path,
@@ -119,7 +124,7 @@ def test_replace_policy_matches_python_decode(tokenizer, tmp_path, monkeypatch):
     path = tmp_path / "bad.txt"
     raw = "héllo wörld 😀 ".encode() * 3 + b"\xff\xfe ok \xf0\x9f\x98 cut\n\xc3"
     path.write_bytes(raw)
-    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=1, errors="replace")
+    encode_corpus(tokenizer, [path], tmp_path / "o.tok", workers=1, errors="replace", end_of_text=False)
     expected = tokenizer.encode(raw.decode("utf-8", errors="replace"))
     assert open_token_file(tmp_path / "o.tok").tokens.tolist() == expected
 

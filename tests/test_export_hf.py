@@ -136,6 +136,11 @@ def _exported(tmp_path, trained_tokenizer):
 @pytest.mark.parametrize(("change", "message"), [
     ({"num_key_value_heads": 2}, "grouped-query attention"),
     ({"attention_bias": True}, "biases"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    # transformers 4.x's spelling (ignored by 5.x's reader, so checked on the JSON) and 5.x's.
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 32}}, "RoPE scaling 'llama3'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "RoPE scaling 'linear'"),
     ({"model_type": "gpt2"}, "model_type|not 'llama'"),
 ])
 def test_import_refuses_other_architectures_clearly(tmp_path, trained_tokenizer, capsys, change, message):
@@ -182,3 +187,25 @@ def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
 def test_tokenizer_without_bytelevel_bpe_is_skipped(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}, "pre_tokenizer": None}))
     assert read_hf_tokenizer(tmp_path) is None
+
+
+def test_exported_config_gives_rope_theta_to_transformers_4_and_5(tmp_path):
+    """4.x reads rope_theta (+ rope_scaling), 5.x rope_parameters: both spellings carry θ; the installed version
+    loads it. A 4.x-style config (no rope_parameters) and its scaling are read by rope_settings too."""
+    from types import SimpleNamespace
+
+    from scratchlm.compat.commands import export_hf
+    from scratchlm.compat.hf import rope_settings
+
+    cfg = ModelConfig(vocab_size=300, context_length=32, d_model=64, num_layers=1, num_heads=4, d_ff=96,
+                      rope_theta=500_000.0)
+    vocab = {i: bytes([i]) for i in range(256)}
+    export_hf(TransformerLM(cfg), Tokenizer(vocab, [], ["<|endoftext|>"]), tmp_path / "hf")
+    document = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert document["rope_theta"] == 500_000.0 and document["rope_scaling"] is None
+    assert document["rope_parameters"] == {"rope_type": "default", "rope_theta": 500_000.0}
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert rope_settings(loaded) == (500_000.0, "default")
+    old_style = SimpleNamespace(rope_theta=500_000.0, rope_scaling={"type": "llama3", "factor": 8.0})
+    assert rope_settings(old_style) == (500_000.0, "llama3")
+    assert rope_settings(SimpleNamespace(rope_theta=123.0, rope_scaling=None)) == (123.0, "default")

@@ -85,10 +85,18 @@ def export_hf(model, tokenizer, out: Path) -> None:
     with made_folder(out):  # a failed export (a full disk) leaves no half-written folder behind
         with naming(out / "config.json"):
             hf_config.save_pretrained(out)
+            _write_both_rope_spellings(out / "config.json", cfg.rope_theta)
         with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         with naming(out / "tokenizer.json"):
             hf_tokenizer(tokenizer).save_pretrained(out)
+
+
+def _write_both_rope_spellings(path: Path, rope_theta: float) -> None:
+    from scratchlm.compat.hf import with_both_rope_spellings
+
+    document = with_both_rope_spellings(json.loads(path.read_text(encoding="utf-8")), rope_theta)
+    path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def hf_tokenizer(tokenizer):
@@ -178,9 +186,11 @@ def read_hf_llama(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB):
 
 def _read_model_config(path: Path):
     """config.json as our ModelConfig; every JSON, type or architecture problem is a ValueError naming the file."""
+    from types import SimpleNamespace
+
     from transformers import AutoConfig
 
-    from scratchlm.compat.hf import hf_config_to_model_config
+    from scratchlm.compat.hf import hf_config_to_model_config, rope_settings
 
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
@@ -195,6 +205,10 @@ def _read_model_config(path: Path):
         hf_config = AutoConfig.from_pretrained(path.parent, local_files_only=True)
     except Exception as error:  # noqa: BLE001 transformers validates with its own exception types (strict dataclasses)
         raise ValueError(f"{path}: {' '.join(str(error).split())}") from None
+    # Checked on the JSON too: a transformers version may drop the other version's spelling of RoPE scaling.
+    _, scaling = rope_settings(SimpleNamespace(**document))
+    if scaling != "default":
+        raise ValueError(f"{path}: unsupported Hugging Face Llama config: RoPE scaling {scaling!r} (our RoPE has none)")
     try:
         return hf_config_to_model_config(hf_config)
     except (ValueError, TypeError, ZeroDivisionError) as error:

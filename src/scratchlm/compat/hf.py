@@ -85,22 +85,39 @@ def hf_config_to_model_config(hf_cfg) -> ModelConfig:
     head_dim = getattr(hf_cfg, "head_dim", None)
     if head_dim not in (None, hf_cfg.hidden_size // heads):
         problems.append(f"head_dim={head_dim} != hidden_size/num_attention_heads")
-    if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False):
-        problems.append("attention or MLP biases")
+    problems += [f"{name}=True (our model has no biases)" for name in ("attention_bias", "mlp_bias")
+                 if getattr(hf_cfg, name, False)]
     if getattr(hf_cfg, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf_cfg.hidden_act!r} (need 'silu')")
-    rope = getattr(hf_cfg, "rope_parameters", None) or {"rope_type": "default",
-                                                        "rope_theta": getattr(hf_cfg, "rope_theta", 10_000.0)}
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"RoPE scaling {rope.get('rope_type')!r}")
+    rope_theta, scaling = rope_settings(hf_cfg)
+    if scaling != "default":
+        problems.append(f"RoPE scaling {scaling!r} (our RoPE has none)")
     if problems:
         raise ValueError("unsupported Hugging Face Llama config: " + "; ".join(problems))
     return ModelConfig(
         vocab_size=hf_cfg.vocab_size, context_length=hf_cfg.max_position_embeddings, d_model=hf_cfg.hidden_size,
         num_layers=hf_cfg.num_hidden_layers, num_heads=heads, d_ff=hf_cfg.intermediate_size,
-        rope_theta=float(rope["rope_theta"]), norm_eps=hf_cfg.rms_norm_eps,
+        rope_theta=rope_theta, norm_eps=hf_cfg.rms_norm_eps,
         tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)),
     )
+
+
+def rope_settings(hf_cfg) -> tuple[float, str]:
+    """(rope_theta, scaling type) under either spelling: transformers 5's ``rope_parameters`` or 4.x's
+    ``rope_theta`` + ``rope_scaling`` (whose type key was once ``type``); a scaling under either is reported."""
+    parameters = getattr(hf_cfg, "rope_parameters", None) or {}
+    scalings = [settings.get("rope_type", settings.get("type", "default"))
+                for settings in (parameters, getattr(hf_cfg, "rope_scaling", None) or {})]
+    theta = parameters.get("rope_theta") or getattr(hf_cfg, "rope_theta", None) or 10_000.0
+    return float(theta), next((kind for kind in scalings if kind != "default"), "default")
+
+
+def with_both_rope_spellings(document: dict, rope_theta: float) -> dict:
+    """config.json that transformers 4.x (reads ``rope_theta``, ``rope_scaling``) and 5.x (reads
+    ``rope_parameters``) both load with our θ: each version ignores the other's keys, and a 4.x reader missing
+    ``rope_theta`` would silently use 10000."""
+    return {**document, "rope_theta": float(rope_theta), "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
 
 
 def _top_level_names(cfg: ModelConfig) -> list[tuple[str, str]]:

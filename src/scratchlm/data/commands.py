@@ -22,14 +22,29 @@ def register(subparsers) -> None:
 
 def _register_encode(actions) -> None:
     parser = actions.add_parser(
-        "encode", help="encode text files into a memory-mappable token file",
-        description="Encode text files with a trained tokenizer into one token file (uint16 ids when the vocab "
-                    "fits, else uint32) that records the vocab size and the tokenizer's hash. Files are encoded "
-                    "in order, in parallel processes and constant memory; the output appears only when complete.")
+        "encode", help="encode text, JSON lines, parquet or a Hugging Face dataset into a token file",
+        description="Encode documents with a trained tokenizer into one token file (uint16 ids when the vocab "
+                    "fits, else uint32) that records the vocab size and the tokenizer's hash. Inputs: .txt, "
+                    ".jsonl/.json, .parquet (optionally .gz/.zst), folders and globs of those, and hf:NAME[:CONFIG]"
+                    "[:SPLIT] datasets. Each document ends with <|endoftext|>. Encoded in order, in parallel "
+                    "processes and constant memory; the output appears only when complete. See docs/data.md.")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
-                        help="tokenizer directory (from `scratchlm tokenizer train`, or GPT-2 vocab.json+merges.txt)")
-    parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="UTF-8 text file(s)")
+                        help="tokenizer directory (from `scratchlm tokenizer train`, a Hugging Face tokenizer.json "
+                             "folder, or GPT-2 vocab.json+merges.txt)")
+    parser.add_argument("--input", required=True, nargs="+", metavar="INPUT",
+                        help="files, folders, globs or hf:NAME[:CONFIG][:SPLIT]")
     parser.add_argument("--out", required=True, metavar="FILE", help="token file to write")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the JSON field / parquet or dataset column holding the text (default: text)")
+    parser.add_argument("--no-eot", dest="end_of_text", action="store_false",
+                        help="do not end each document with <|endoftext|> (default: do)")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--val-fraction", type=float, metavar="F",
+                       help="put an evenly spaced fraction F of the documents into a validation file")
+    split.add_argument("--val-docs", type=_positive_int, metavar="N",
+                       help="put the first N documents into a validation file")
+    parser.add_argument("--val-out", metavar="FILE",
+                        help="validation token file (default: beside --out, NAME.val.tok for NAME.tok)")
     parser.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="processes (default: 2)")
     parser.add_argument("--errors", choices=["strict", "replace"], default="strict",
                         help="invalid UTF-8: stop naming file and byte offset (strict, default), "
@@ -42,34 +57,56 @@ def _register_encode(actions) -> None:
 def run_encode(args: argparse.Namespace) -> int:
     from scratchlm.data.encode import encode_corpus
 
-    _check_encode_output(args)
+    val_out = _val_out(args)
+    _check_encode_output(args, args.out, "--out")
+    if val_out:
+        _check_encode_output(args, val_out, "--val-out")
     progress = not args.quiet and sys.stderr.isatty()
     stats = encode_corpus(args.tokenizer, args.input, args.out, workers=args.workers, errors=args.errors,
-                          progress=progress)
+                          progress=progress, text_field=args.text_field, end_of_text=args.end_of_text,
+                          val_out=val_out, val_fraction=args.val_fraction, val_docs=args.val_docs)
     if not args.quiet:
-        print(f"encoded {len(args.input)} file{'s' if len(args.input) != 1 else ''}: {stats.summary()} -> {args.out}")
+        written = f"{args.out} and {val_out}" if val_out else args.out
+        print(f"encoded {len(args.input)} input{'s' if len(args.input) != 1 else ''}: {stats.summary()} -> {written}")
     return 0
 
 
-def _check_encode_output(args: argparse.Namespace) -> None:
-    """--out is never an input (a text file or a tokenizer file), and replaces only an earlier token file."""
+def _val_out(args: argparse.Namespace) -> str | None:
+    """--val-out, or NAME.val.SUFFIX beside --out when a split is asked for; None without a split."""
+    from pathlib import Path
+
+    from scratchlm.errors import UserError
+
+    if args.val_fraction is None and args.val_docs is None:
+        if args.val_out:
+            raise UserError("--val-out needs --val-fraction or --val-docs")
+        return None
+    if args.val_out:
+        return args.val_out
+    out = Path(args.out)
+    return str(out.with_name(f"{out.stem}.val{out.suffix or '.tok'}"))
+
+
+def _check_encode_output(args: argparse.Namespace, out: str, flag: str) -> None:
+    """An output is never an input (a text file or a tokenizer file), and replaces only an earlier token file."""
     from pathlib import Path
 
     from scratchlm.data.token_file import open_token_file
     from scratchlm.errors import UserError
     from scratchlm.output_paths import refuse_inputs
 
-    out, tokenizer = Path(args.out), Path(args.tokenizer)
+    out, tokenizer = Path(out), Path(args.tokenizer)
     if out.is_dir():
         return  # the token file writer names that problem
     tokenizer_files = list(tokenizer.iterdir()) if tokenizer.is_dir() else []
-    refuse_inputs(out, [*map(Path, args.input), *tokenizer_files], inside_ok=True)
+    inputs = [Path(spec) for spec in args.input if not spec.startswith("hf:")]
+    refuse_inputs(out, [*inputs, *tokenizer_files], inside_ok=True)
     if out.is_file() and not args.force:
         try:
             open_token_file(out)
         except ValueError:
-            raise UserError(f"--out {out} exists and is not a token file; choose another --out, or pass --force "
-                            f"to replace it") from None
+            raise UserError(f"{flag} {out} exists and is not a token file; choose another {flag}, or pass "
+                            f"--force to replace it") from None
 
 
 def _positive_int(text: str) -> int:

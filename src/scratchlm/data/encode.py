@@ -1,6 +1,11 @@
-"""Encode text corpora into one token file, in parallel processes and constant memory.
+"""Encode corpora into a token file (and a validation file), in parallel processes and constant memory.
 
-Design:
+``encode_corpus`` takes any inputs ``sources.py`` reads. Plain text files with no validation split take the
+byte-range path below; everything else goes document by document through ``document_encode.py``. Either way
+each document ends with one end-of-text token (a text file: after its last one, unless it ends with one), so no
+two files or documents run together; ``end_of_text=False`` adds none.
+
+Byte-range path design:
 - Each input file is cut into byte ranges at *safe* points: right after a ``"\\n"`` whose neighbours are both
   printable ASCII, or between the two newlines of ``X"\\n\\n"Y`` with X and Y printable ASCII (a paragraph
   break; there the whole text's pre-tokens are X, "\\n", "\\n", Y too, unless a special token starts at Y:
@@ -12,7 +17,8 @@ Design:
   ``Tokenizer.encode_stream`` and write a part token file; the parent appends the parts in order to the output
   through ``TokenFileWriter``, so the output appears, complete, only at the end. Parts live in a temporary
   folder beside the output and are removed whatever happens.
-- Each input file is encoded on its own: no pre-token crosses from one file into the next.
+- Each input file is encoded on its own: no pre-token crosses from one file into the next, and the
+  end-of-text id follows a file whose text does not already end with that token.
 - Invalid UTF-8: ``errors="strict"`` (default) stops with the file and byte offset; ``errors="replace"``
   substitutes U+FFFD, exactly as ``bytes.decode(errors="replace")`` of the whole file would.
 """
@@ -35,6 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from scratchlm.data.sources import END_OF_TEXT, expand_inputs
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -53,19 +60,28 @@ class EncodeStats:
     num_tokens: int
     seconds: float
     workers: int
+    val_tokens: int = 0
+    documents: int | None = None  # counted on the document path only
+    val_documents: int = 0
 
     @property
     def bytes_per_token(self) -> float:
-        return self.input_bytes / self.num_tokens if self.num_tokens else 0.0
+        tokens = self.num_tokens + self.val_tokens
+        return self.input_bytes / tokens if tokens else 0.0
 
     @property
     def mb_per_s(self) -> float:
         return self.input_bytes / 1e6 / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
-        return (f"{self.input_bytes / 1e6:,.1f} MB -> {self.num_tokens:,} tokens "
+        size = f"{self.input_bytes / 1e6:,.1f} MB" if self.input_bytes else "a dataset"
+        speed = f"{self.mb_per_s:.1f} MB/s, " if self.input_bytes else ""
+        docs = f" from {self.documents:,} documents" if self.documents is not None else ""
+        val = (f", validation {self.val_tokens:,} tokens from {self.val_documents:,} documents"
+               if self.val_documents else "")
+        return (f"{size} -> {self.num_tokens:,} tokens{docs}{val} "
                 f"({self.bytes_per_token:.2f} bytes/token) in {self.seconds:.1f} s "
-                f"({self.mb_per_s:.1f} MB/s, {self.workers} worker{'s' if self.workers != 1 else ''})")
+                f"({speed}{self.workers} worker{'s' if self.workers != 1 else ''})")
 
 
 @dataclass(frozen=True)
@@ -78,44 +94,83 @@ class _Task:
 
 
 def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], out: str | Path, *,
-                  workers: int = 2, errors: str = "strict", progress: bool = False) -> EncodeStats:
-    """Encode the input text files, in order, into the token file ``out``; returns sizes and speed."""
+                  workers: int = 2, errors: str = "strict", progress: bool = False, text_field: str = "text",
+                  end_of_text: bool = True, val_out: str | Path | None = None, val_fraction: float | None = None,
+                  val_docs: int | None = None) -> EncodeStats:
+    """Encode the inputs (files, folders, globs, ``hf:`` datasets), in order, into the token file ``out``; with
+    ``val_fraction`` or ``val_docs``, whole documents go to ``val_out`` instead. Returns sizes and speed."""
+    from scratchlm.data.document_encode import ValSplit, encode_documents
+
     started = time.perf_counter()
     if errors not in ERROR_POLICIES:
         raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    split = ValSplit(val_fraction, val_docs)
+    if (val_out is None) != (val_fraction is None and val_docs is None):
+        raise ValueError("a validation file needs --val-fraction or --val-docs, and they need a validation file")
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = Tokenizer.load(tokenizer)
-    paths = [_checked_input(path) for path in inputs]
-    if not paths:
-        raise ValueError("no input files given")
+    if end_of_text and END_OF_TEXT not in tokenizer.special_tokens:
+        raise ValueError(f"the tokenizer has no {END_OF_TEXT} special token to end documents with (its special "
+                         f"tokens: {tokenizer.special_tokens}); train one with --special-token '{END_OF_TEXT}', or "
+                         "pass --no-eot")
+    sources = expand_inputs(inputs)
     out = Path(out)
-    total_bytes = sum(path.stat().st_size for path in paths)
-    ranges = _plan_ranges(paths, tokenizer, workers)
+    total_bytes = sum(Path(source.path).stat().st_size for source in sources if source.format != "hf")
     _remove_orphaned_parts(_existing_parent(out), out.name)
+    if val_out is None and all(source.is_plain_text for source in sources):
+        num_tokens, used = _encode_text_files([Path(source.path) for source in sources], tokenizer, out,
+                                              workers=workers, errors=errors, progress=progress,
+                                              end_of_text=end_of_text, total_bytes=total_bytes)
+        return EncodeStats(total_bytes, num_tokens, time.perf_counter() - started, used)
+    val_out = Path(val_out) if val_out is not None else None
+    if val_out is not None:
+        _existing_parent(val_out)
+    counts = encode_documents(tokenizer, sources, out, val_out=val_out, split=split, workers=workers,
+                              errors=errors, text_field=text_field, end_of_text=end_of_text, progress=progress)
+    return EncodeStats(total_bytes, counts.train_tokens, time.perf_counter() - started, workers,
+                       val_tokens=counts.val_tokens, documents=counts.train_docs, val_documents=counts.val_docs)
+
+
+def _encode_text_files(paths: list[Path], tokenizer: Tokenizer, out: Path, *, workers: int, errors: str,
+                       progress: bool, end_of_text: bool, total_bytes: int) -> tuple[int, int]:
+    """The byte-range path: (tokens written, workers used)."""
+    ranges = _plan_ranges(paths, tokenizer, workers)
+    ended = _files_needing_end_of_text(paths, ranges, end_of_text)
+    eot_ids = [tokenizer.special_id(END_OF_TEXT)] if end_of_text else []
     # The pid in the name tells a later run whether the encode that made this folder is still alive.
     parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.{os.getpid()}.", dir=out.parent))
     try:
         tasks = [_Task(path, start, end, parts_dir / f"{index:06d}.tok", errors)
                  for index, (path, start, end) in enumerate(ranges)]
         with TokenFileWriter(out, vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash) as writer:
-            for task in _run_tasks(tokenizer, tasks, workers, progress, total_bytes):
+            for index, task in enumerate(_run_tasks(tokenizer, tasks, workers, progress, total_bytes)):
                 _append_part(writer, task.part)
+                if index in ended:
+                    writer.write(eot_ids)
             num_tokens = writer.num_tokens
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
-    used = min(workers, len(tasks))
-    return EncodeStats(total_bytes, num_tokens, time.perf_counter() - started, used)
+    return num_tokens, min(workers, len(tasks))
 
 
-def _checked_input(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"input file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
-    with open(path, "rb"):  # unreadable files fail here, before any work starts
-        pass
-    return path
+def _files_needing_end_of_text(paths: list[Path], ranges: list[tuple[Path, int, int]], end_of_text: bool) -> set[int]:
+    """Indices of each file's last range, for the non-empty files whose text does not end with the token."""
+    if not end_of_text:
+        return set()
+    marker = END_OF_TEXT.encode("utf-8")
+    last_range = {path: index for index, (path, _, _) in enumerate(ranges)}
+    return {last_range[path] for path in paths if not _ends_with(path, marker)}
+
+
+def _ends_with(path: Path, marker: bytes) -> bool:
+    size = path.stat().st_size
+    if size == 0:
+        return True  # an empty file is no document
+    with open(path, "rb") as handle:
+        handle.seek(max(size - len(marker), 0))
+        return handle.read() == marker
 
 
 def _remove_orphaned_parts(folder: Path, name: str) -> None:
@@ -158,7 +213,7 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 yield task
             return
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=init_worker,
                                  initargs=(tokenizer, os.getpid())) as pool:
             try:
                 for task in pool.map(_encode_range_in_worker, tasks):
@@ -175,7 +230,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(tokenizer: Tokenizer, parent: int) -> None:
+def init_worker(tokenizer: Tokenizer, parent: int) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
     _die_with_parent(parent)
@@ -203,9 +258,13 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_range_in_worker(task: _Task) -> _Task:
+def worker_tokenizer() -> Tokenizer:
     assert _WORKER_TOKENIZER is not None, "worker started without a tokenizer"
-    _encode_range(_WORKER_TOKENIZER, task)
+    return _WORKER_TOKENIZER
+
+
+def _encode_range_in_worker(task: _Task) -> _Task:
+    _encode_range(worker_tokenizer(), task)
     return task
 
 
