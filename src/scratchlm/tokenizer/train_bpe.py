@@ -89,7 +89,7 @@ def train_bpe_from_counts(
         elif len(encoded) > 1:  # a single byte has no pair to merge
             words.append(list(encoded))
             counts.append(count)
-    merges = _learn_merges(words, counts, LongWords(long_words), vocab, vocab_size - len(vocab), progress)
+    merges = _learn_merges(words, counts, LongWords(long_words, vocab_size), vocab, vocab_size - len(vocab), progress)
     return vocab, merges
 
 
