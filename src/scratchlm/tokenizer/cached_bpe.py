@@ -182,11 +182,13 @@ class CachedBPE:
     def _encode_new_piece(self, piece: str) -> Iterable[int]:
         """BPE of a pre-token missing from the cache, which then remembers it (if it is short)."""
         ids = self._encode_piece(piece)
+        if len(piece) > _MAX_CACHED_CHARS:  # not cached; a long piece's ids may come as a one-pass iterator
+            return ids
+        ids = tuple(ids)
         cache = self.pretoken_cache
         if len(cache) >= self._cache_size:
             cache.clear()  # bounded memory; natural text refills the frequent pieces at once
-        if len(piece) <= _MAX_CACHED_CHARS:
-            cache[piece] = ids
+        cache[piece] = ids
         return ids
 
     def _encode_piece(self, piece: str) -> Iterable[int]:

@@ -21,7 +21,6 @@ byte; the heap is faster on pieces of up to a megabyte (``LONG_PIECE_MIN_BYTES``
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain
 
 import numpy as np
 
