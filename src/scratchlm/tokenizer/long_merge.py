@@ -104,7 +104,9 @@ class LongPieceMerger:
         ranks[starts] = self._rank(tokens[starts], tokens[starts + 2])  # (new, new) before a following occurrence
         lefts = starts[~follows & (starts > 0)]
         ranks[lefts - 1] = self._rank(tokens[lefts - 1], tokens[lefts])
-        return compact_in_place(tokens, starts + 1), compact_in_place(ranks, starts + 1)
+        kept, ranks = compact_in_place(starts + 1, tokens[:-1], ranks)  # tokens and ranks, both without the sentinel
+        tokens[kept.size] = self._pairs.sentinel
+        return tokens[:kept.size + 1], ranks
 
     def _rank(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         return self._pairs.pair_values(left.astype(np.int64), right.astype(np.int64)) >> 32
@@ -140,13 +142,15 @@ def leftmost_non_overlapping(starts: np.ndarray) -> np.ndarray:
     return starts[offsets % 2 == 0]
 
 
-def compact_in_place(values: np.ndarray, removed: np.ndarray) -> np.ndarray:
-    """values without the (sorted) positions in removed, compacted in place a chunk at a time; a view."""
-    keep = np.ones(values.size, dtype=bool)
+def compact_in_place(removed: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+    """Each array (of one length) without the positions in removed, compacted in place a chunk at a time: views."""
+    keep = np.ones(arrays[0].size, dtype=bool)
     keep[removed] = False
     written = 0
-    for start in range(0, values.size, _CHUNK):  # writes never pass the chunk being read
-        kept = values[start:start + _CHUNK][keep[start:start + _CHUNK]]
-        values[written:written + kept.size] = kept
-        written += kept.size
-    return values[:written]
+    for start in range(0, keep.size, _CHUNK):  # writes never pass the chunk being read
+        chunk_keep = keep[start:start + _CHUNK]
+        for values in arrays:
+            kept = values[start:start + _CHUNK][chunk_keep]
+            values[written:written + kept.size] = kept
+        written += int(chunk_keep.sum())
+    return [values[:written] for values in arrays]

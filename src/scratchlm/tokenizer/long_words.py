@@ -68,7 +68,7 @@ class LongWords:
             codes.append(group_codes)
             weights.append(signs * count)
             symbols[starts] = new_id
-            self._groups[index] = (count, compact_in_place(symbols, starts + 1))
+            self._groups[index] = (count, compact_in_place(starts + 1, symbols)[0])
         changed, inverse = np.unique(np.concatenate(codes), return_inverse=True)
         deltas = np.bincount(inverse, weights=np.concatenate(weights)).astype(np.int64)
         changes: dict[Pair, int] = {}
