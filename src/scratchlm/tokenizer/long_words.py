@@ -2,7 +2,7 @@
 
 ``train_bpe.py`` keeps each word as a Python list and finds a merged pair's occurrences by scanning the word, once
 per listed occurrence: fine for the few bytes of an ordinary word, quadratic for a word of a million bytes. Words of
-at least ``LONG_WORD_MIN_BYTES`` bytes come here instead and are merged with numpy:
+at least ``train_bpe.LONG_WORD_MIN_BYTES`` (1024) bytes come here instead and are merged with numpy:
 
 - The long words of equal count lie end to end in one array of ids (uint16 while every id fits, else uint32),
   each after a separator (the dtype's largest value, never an id) and the last one followed by one, so no pair
@@ -29,9 +29,6 @@ import numpy as np
 
 from scratchlm.tokenizer.long_merge import compact_in_place, leftmost_non_overlapping
 
-# Words of at least this many bytes are merged here; shorter ones by train_bpe.py's list path, which is faster
-# on them (a numpy call costs microseconds; a short word's scan in C costs less).
-LONG_WORD_MIN_BYTES = 1024
 _LOW_MASK = (1 << 32) - 1
 _CHUNK = 1 << 22  # pairs counted at a time (bounds the temporaries)
 _PAIR_DTYPE = {np.dtype(np.uint16): np.uint32, np.dtype(np.uint32): np.uint64}

@@ -32,15 +32,21 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from heapq import heapify, heappop, heappush, heapreplace
+from typing import TYPE_CHECKING
 
 from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.counting import count_pretokens
-from scratchlm.tokenizer.long_words import LONG_WORD_MIN_BYTES, LongWords
 from scratchlm.tokenizer.pretokenize import validate_special_tokens
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.long_words import LongWords
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
 
+# Words of at least this many bytes are merged by long_words.py (numpy); shorter ones here, where a word's scan in
+# C costs less than a numpy call.
+LONG_WORD_MIN_BYTES = 1024
 _INVERT_BYTES = bytes(range(255, -1, -1))
 _AFTER_ALL_BYTES = "\u0100"  # sorts after every inverted byte (chr(0)..chr(255))
 
@@ -89,8 +95,17 @@ def train_bpe_from_counts(
         elif len(encoded) > 1:  # a single byte has no pair to merge
             words.append(list(encoded))
             counts.append(count)
-    merges = _learn_merges(words, counts, LongWords(long_words, vocab_size), vocab, vocab_size - len(vocab), progress)
+    merges = _learn_merges(words, counts, _long_words(long_words, vocab_size), vocab, vocab_size - len(vocab), progress)
     return vocab, merges
+
+
+def _long_words(words: dict[bytes, int], id_limit: int) -> LongWords | None:
+    """The numpy path for long words, if there are any (numpy is imported only then: ~0.1 s and ~20 MB a process)."""
+    if not words:
+        return None
+    from scratchlm.tokenizer.long_words import LongWords
+
+    return LongWords(words, id_limit)
 
 
 def _count_pairs(words: list[list[int]], counts: list[int]) -> tuple[dict, dict]:
@@ -229,9 +244,10 @@ def _apply_long_merge(long_words: LongWords, pair, new_id: int, where, pair_coun
     return gained
 
 
-def _learn_merges(words, counts, long_words: LongWords, vocab: Vocab, num_merges: int, progress: bool) -> Merges:
+def _learn_merges(words, counts, long_words: LongWords | None, vocab: Vocab, num_merges: int,
+                  progress: bool) -> Merges:
     pair_counts, where = _count_pairs(words, counts)
-    for pair, count in long_words.pair_counts.items():
+    for pair, count in (long_words.pair_counts.items() if long_words else ()):
         pair_counts[pair] = pair_counts.get(pair, 0) + count
     keys = {token_id: _descending_key(token) for token_id, token in vocab.items()}
     id_of_bytes = {bytes([i]): i for i in range(256)}  # word tokens only: specials never occur in words
@@ -252,7 +268,8 @@ def _learn_merges(words, counts, long_words: LongWords, vocab: Vocab, num_merges
         if token_id not in keys:
             keys[token_id] = _descending_key(token)
         gained = _apply_merge(best, token_id, words, counts, where, pair_counts)
-        gained.update(_apply_long_merge(long_words, best, token_id, where, pair_counts))
+        if long_words is not None:
+            gained.update(_apply_long_merge(long_words, best, token_id, where, pair_counts))
         for a, b in gained:
             heappush(heap, (-pair_counts[a, b], keys[a], keys[b], a, b))
         bar.update(1)
