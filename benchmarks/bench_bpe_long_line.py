@@ -33,8 +33,8 @@ ENCODE_PEAK_TARGET_MB = 1024
 PEAK = """
 import json, resource
 def _peaks():
-    return {"self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    return {{"self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+             "children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}}
 """
 OURS_TRAIN = PEAK + """
 import time

@@ -126,3 +126,15 @@ def test_long_random_strings_encode_like_tiktoken(text, window):
 def test_a_merge_table_with_a_merge_before_its_input_is_not_monotone():
     assert not _is_monotone({(0, 1): (1, 256), (256, 2): (0, 257)})
     assert _is_monotone({(0, 1): (0, 256), (256, 2): (1, 257)})
+
+
+def test_streaming_a_long_line_pre_tokenizes_its_held_back_tail_a_logarithmic_number_of_times():
+    """A line with no space is held back whole until it ends; re-splitting it at every chunk would be quadratic."""
+    tokenizer, oracle = _trained(_letters("abc", 3000, 13), 256 + 30)
+    line = _letters("abc", 200_000, 14)
+    chunks = [line[start:start + 100] for start in range(0, len(line), 100)]
+    with mock.patch.object(Tokenizer, "_split_stable_prefix", autospec=True,
+                           side_effect=Tokenizer._split_stable_prefix) as split:
+        ids = [token for block in tokenizer.encode_stream(chunks, chunk_chars=100) for token in block]
+    assert ids == oracle.encode_ordinary(line)
+    assert split.call_count <= 2 + (len(line) // 100).bit_length()
