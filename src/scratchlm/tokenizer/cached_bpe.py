@@ -8,7 +8,8 @@
 - A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
   pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Many new words
   at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their
-  distinct pre-tokens merged at once by ``batch_merge.py``.
+  distinct pre-tokens merged at once by ``batch_merge.py``. A pre-token of a megabyte or more (a line of DNA or
+  base64) is merged by ``long_merge.py`` in bounded memory, its ids yielded a chunk at a time and never cached.
 """
 
 from __future__ import annotations
