@@ -7,6 +7,7 @@ import gc
 import json
 import random
 from itertools import islice, product, repeat
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from conftest import require_shared
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.batch_merge import BatchMerger
-from scratchlm.tokenizer.merge import merge_by_scan, merge_with_heap
+from scratchlm.tokenizer.long_merge import _is_monotone
+from scratchlm.tokenizer.merge import merge_by_scan, merge_table, merge_with_heap
 from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, last_space_boundary, pretokens, split_pretokens
 from scratchlm.tokenizer.reference import reference_encode
 
@@ -217,6 +219,20 @@ def test_heap_merging_equals_scan_merging(symbols, rng):
             ranks.setdefault((next_id, other), (100 + rank * 4 + other, 1000 + next_id * 4 + other))
         next_id += 1
     assert merge_with_heap(list(symbols), ranks) == merge_by_scan(list(symbols), ranks)
+
+
+BASE64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+@pytest.mark.parametrize("text", ["x" * 30_000, "ab" * 10_000, "".join(random.Random(11).choices("acgt", k=20_000)),
+                                  "".join(random.Random(12).choices(BASE64, k=8000))])
+def test_long_pieces_encode_like_tiktoken_with_gpt2_merges(gpt2, tik, text):
+    """Pieces from LONG_PIECE_MIN_BYTES (made tiny here) go through ``long_merge.py``'s rank rounds."""
+    assert _is_monotone(merge_table(gpt2.merges, gpt2._bytes_to_id))
+    with mock.patch("scratchlm.tokenizer.cached_bpe.LONG_PIECE_MIN_BYTES", 2):
+        gpt2.clear_cache()
+        assert gpt2.encode(text) == tik.encode_ordinary(text)
+        assert gpt2.encode(" " + text) == tik.encode_ordinary(" " + text)  # a long word after a space
 
 
 def test_cold_cache_batch_learning_matches_tiktoken(gpt2, tik, monkeypatch):

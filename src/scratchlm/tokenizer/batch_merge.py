@@ -43,8 +43,9 @@ class BatchMerger:
         self._byte_ids = np.asarray(byte_ids, dtype=np.int64)
         # The first round's pairs are all byte pairs: a dense 256 x 256 table answers them in one gather.
         first_bytes, second_bytes = np.divmod(np.arange(256 * 256), 256)
-        self._byte_pair_value = self._pair_values(self._byte_ids[first_bytes],
-                                                  self._byte_ids[second_bytes]).reshape(256, 256)
+        self.byte_pair_value = self.pair_values(self._byte_ids[first_bytes],
+                                                 self._byte_ids[second_bytes]).reshape(256, 256)
+        self.sentinel = self._stride - 1  # a token in no pair: nothing merges with it
 
     def merge(self, data: bytes, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """BPE of pieces laid end to end in data, ``lengths[i]`` bytes each (at least one).
@@ -84,13 +85,13 @@ class BatchMerger:
         starts = run_starts(sorted_lengths)
         ends = starts + sorted_lengths - 1
         data = take_runs(data, run_starts(lengths)[order], sorted_lengths)
-        tokens = np.append(self._byte_ids[data], self._stride - 1)
+        tokens = np.append(self._byte_ids[data], self.sentinel)
         next_ = np.arange(1, size + 2)
         next_[ends] = size
         next_[size] = size
         prev = np.arange(-1, size)
         prev[starts] = size
-        value = np.append(self._byte_pair_value[data[:-1], data[1:]], _FINISHED)
+        value = np.append(self.byte_pair_value[data[:-1], data[1:]], _FINISHED)
         value[ends] = _FINISHED
         key = np.append(value & ~_LOW_MASK | np.arange(size), _FINISHED)
         return tokens, key, np.append(value & _LOW_MASK, 0), next_, prev, starts
@@ -105,11 +106,11 @@ class BatchMerger:
         next_[position] = after
         prev[after] = position  # the sentinel's prev is written too, and never read
         changed = np.concatenate((prev[position], position))  # the pairs that end and start at each merge
-        value = self._pair_values(tokens[changed], tokens[next_[changed]])
+        value = self.pair_values(tokens[changed], tokens[next_[changed]])
         key[changed] = value & ~_LOW_MASK | changed
         merged[changed] = value & _LOW_MASK
 
-    def _pair_values(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    def pair_values(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         """``rank << 32 | merged id`` of each pair; ``NO_RANK << 32`` where the pair has no merge."""
         return self._pairs.get(left * self._stride + right)
 

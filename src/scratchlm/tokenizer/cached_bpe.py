@@ -8,7 +8,8 @@
 - A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
   pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Many new words
   at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their
-  distinct pre-tokens merged at once by ``batch_merge.py``.
+  distinct pre-tokens merged at once by ``batch_merge.py``. A pre-token of a megabyte or more (a line of DNA or
+  base64) is merged by ``long_merge.py`` in bounded memory, its ids yielded a chunk at a time and never cached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from operator import itemgetter, not_
 import numpy as np
 
 from scratchlm.tokenizer.batch_merge import BatchMerger, run_starts, take_runs
+from scratchlm.tokenizer.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
 from scratchlm.tokenizer.merge import merge_ids
 from scratchlm.tokenizer.pretokenize import (
     ends_in_whitespace,
@@ -54,6 +56,7 @@ class CachedBPE:
         self.word_cache: dict[str, tuple[int, ...]] = {}
         self.pretoken_cache: dict[str, tuple[int, ...]] = {}
         self._merger: BatchMerger | None = None  # built on the first cold block
+        self._long_merger: LongPieceMerger | None = None  # built on the first piece of LONG_PIECE_MIN_BYTES
 
     def clear(self) -> None:
         """Forget both caches (the ids are unchanged; later encodes run BPE from scratch)."""
@@ -88,7 +91,9 @@ class CachedBPE:
                 extend(ids)
                 continue
             complete = bool(word) and not ends_in_whitespace(word)
-            if segment is None and complete:
+            if segment is None and complete and len(word) > _MAX_CACHED_CHARS:
+                self.encode_pretokens(spaced_word_pieces(word), out)  # not cached: no tuple of a long word's ids
+            elif segment is None and complete:
                 extend(self._encode_spaced_word(word))
             elif segment is None:
                 segment = [" ", word]
@@ -156,14 +161,13 @@ class CachedBPE:
         return sum(word not in cache for word in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
 
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
-        """Ids of " " + word (a complete chunk), through the word cache."""
+        """Ids of " " + word (a complete chunk of at most _MAX_CACHED_CHARS characters), through the word cache."""
         ids: list[int] = []
         self.encode_pretokens(spaced_word_pieces(word), ids)
         result = tuple(ids)
-        if len(word) <= _MAX_CACHED_CHARS:
-            if len(self.word_cache) >= self._cache_size:
-                self.word_cache.clear()
-            self.word_cache[word] = result
+        if len(self.word_cache) >= self._cache_size:
+            self.word_cache.clear()
+        self.word_cache[word] = result
         return result
 
     def _batch_merger(self) -> BatchMerger:
@@ -171,21 +175,31 @@ class CachedBPE:
             self._merger = BatchMerger(self._merge_ranks, self._byte_ids)
         return self._merger
 
-    def _encode_new_piece(self, piece: str) -> tuple[int, ...]:
-        """BPE of a pre-token missing from the cache, which then remembers it."""
+    def _long_piece_merger(self) -> LongPieceMerger:
+        if self._long_merger is None:
+            self._long_merger = LongPieceMerger(self._batch_merger(), self._merge_ranks, self._byte_ids)
+        return self._long_merger
+
+    def _encode_new_piece(self, piece: str) -> Iterable[int]:
+        """BPE of a pre-token missing from the cache, which then remembers it (if it is short)."""
         ids = self._encode_piece(piece)
+        if len(piece) > _MAX_CACHED_CHARS:  # not cached; a long piece's ids may come as a one-pass iterator
+            return ids
+        ids = tuple(ids)
         cache = self.pretoken_cache
         if len(cache) >= self._cache_size:
             cache.clear()  # bounded memory; natural text refills the frequent pieces at once
-        if len(piece) <= _MAX_CACHED_CHARS:
-            cache[piece] = ids
+        cache[piece] = ids
         return ids
 
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates)."""
+    def _encode_piece(self, piece: str) -> Iterable[int]:
+        """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates): a tuple, or for a piece of at least
+        LONG_PIECE_MIN_BYTES an iterator that yields its ids a chunk at a time (no Python int per byte)."""
         data = piece.encode("utf-8")
         if len(data) == 1:
             return (self._byte_ids[data[0]],)
+        if len(data) >= LONG_PIECE_MIN_BYTES:
+            return self._long_piece_merger().merge(data)
         return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
 
 

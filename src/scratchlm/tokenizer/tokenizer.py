@@ -153,10 +153,11 @@ class Tokenizer:
         parts: list[str] = []
         buffered = 0
         offset = 0  # characters already encoded, for error positions
+        threshold = chunk_chars
         for text in iterable:
             parts.append(text)
             buffered += len(text)
-            if buffered < chunk_chars:
+            if buffered < threshold:
                 continue
             buffer = "".join(parts)
             try:
@@ -165,6 +166,9 @@ class Tokenizer:
                 raise ValueError(_unencodable_message(buffer, offset)) from None
             offset += len(buffer) - len(rest)
             parts, buffered = [rest], len(rest)
+            # A held-back tail is pre-tokenized again with the next text: when it is long (one pre-token of
+            # megabytes: a line of DNA), wait for twice as much, so the repeated work stays linear in all.
+            threshold = max(chunk_chars, 2 * len(rest))
             if ids:
                 yield ids
         buffer = "".join(parts)

@@ -16,6 +16,9 @@ learns the merges on those words without ever rescanning the corpus:
   upper bounds: a count that grows pushes a fresh entry; a count that shrinks is corrected only when its
   stale entry reaches the top. The top entry whose stored count is current is therefore the true best pair.
 
+Words of at least ``LONG_WORD_MIN_BYTES`` bytes (a line of DNA or base64 is one pre-token) would make this
+quadratic: they are merged by ``long_words.py`` with numpy instead, into the same ``pair_counts``.
+
 Token identity is by bytes, as in the reference trainer: if a merge produces bytes that an earlier token
 already has, the words reuse that token's id (the vocab still gets a new entry, as the merge list implies).
 
@@ -29,14 +32,21 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from heapq import heapify, heappop, heappush, heapreplace
+from typing import TYPE_CHECKING
 
 from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.counting import count_pretokens
 from scratchlm.tokenizer.pretokenize import validate_special_tokens
 
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.long_words import LongWords
+
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
 
+# Words of at least this many bytes are merged by long_words.py (numpy); shorter ones here, where a word's scan in
+# C costs less than a numpy call.
+LONG_WORD_MIN_BYTES = 1024
 _INVERT_BYTES = bytes(range(255, -1, -1))
 _AFTER_ALL_BYTES = "\u0100"  # sorts after every inverted byte (chr(0)..chr(255))
 
@@ -77,13 +87,25 @@ def train_bpe_from_counts(
     vocab = initial_vocab(special_tokens)
     words: list[list[int]] = []
     counts: list[int] = []
+    long_words: dict[bytes, int] = {}
     for text, count in word_counts.items():
         encoded = text.encode("utf-8")
-        if len(encoded) > 1:  # a single byte has no pair to merge
+        if len(encoded) >= LONG_WORD_MIN_BYTES:
+            long_words[encoded] = count
+        elif len(encoded) > 1:  # a single byte has no pair to merge
             words.append(list(encoded))
             counts.append(count)
-    merges = _learn_merges(words, counts, vocab, vocab_size - len(vocab), progress)
+    merges = _learn_merges(words, counts, _long_words(long_words, vocab_size), vocab, vocab_size - len(vocab), progress)
     return vocab, merges
+
+
+def _long_words(words: dict[bytes, int], id_limit: int) -> LongWords | None:
+    """The numpy path for long words, if there are any (numpy is imported only then: ~0.1 s and ~20 MB a process)."""
+    if not words:
+        return None
+    from scratchlm.tokenizer.long_words import LongWords
+
+    return LongWords(words, id_limit)
 
 
 def _count_pairs(words: list[list[int]], counts: list[int]) -> tuple[dict, dict]:
@@ -207,8 +229,26 @@ def _move_counts(lost, gain, indices: list[int], counts, where, pair_counts) -> 
     return gain
 
 
-def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) -> Merges:
+def _apply_long_merge(long_words: LongWords, pair, new_id: int, where, pair_counts) -> list[tuple[int, int]]:
+    """Merge pair in the long words and move their pair counts; return the pairs whose counts grew."""
+    gained = []
+    for changed, delta in long_words.merge(pair, new_id).items():
+        total = pair_counts.get(changed, 0) + delta
+        if total:
+            pair_counts[changed] = total
+        else:
+            del pair_counts[changed]
+            where.pop(changed, None)
+        if delta > 0:
+            gained.append(changed)
+    return gained
+
+
+def _learn_merges(words, counts, long_words: LongWords | None, vocab: Vocab, num_merges: int,
+                  progress: bool) -> Merges:
     pair_counts, where = _count_pairs(words, counts)
+    for pair, count in (long_words.pair_counts.items() if long_words else ()):
+        pair_counts[pair] = pair_counts.get(pair, 0) + count
     keys = {token_id: _descending_key(token) for token_id, token in vocab.items()}
     id_of_bytes = {bytes([i]): i for i in range(256)}  # word tokens only: specials never occur in words
     heap = [(-count, keys[a], keys[b], a, b) for (a, b), count in pair_counts.items()]
@@ -227,7 +267,10 @@ def _learn_merges(words, counts, vocab: Vocab, num_merges: int, progress: bool) 
         token_id = id_of_bytes.setdefault(token, vocab_id)
         if token_id not in keys:
             keys[token_id] = _descending_key(token)
-        for a, b in _apply_merge(best, token_id, words, counts, where, pair_counts):
+        gained = _apply_merge(best, token_id, words, counts, where, pair_counts)
+        if long_words is not None:
+            gained.update(_apply_long_merge(long_words, best, token_id, where, pair_counts))
+        for a, b in gained:
             heappush(heap, (-pair_counts[a, b], keys[a], keys[b], a, b))
         bar.update(1)
     bar.close()
