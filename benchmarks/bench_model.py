@@ -4,7 +4,8 @@ Same config, same weights (ours, seeded once, mapped by scratchlm.compat.hf and 
 each contender loads; their logits are checked equal), fp32, 2 threads; HF runs with use_cache=False. The
 contenders are timed in alternation (benchmarks/harness.py) and reported as medians with the time ratio (wall
 clock, plus process CPU time per step, which stays meaningful when other jobs share the cores):
-- ours (from-scratch attention, the default) vs Llama with eager attention (target: ratio <= 1.0),
+- ours (as the trainer runs it: the speed paths of model/kernels/ applied, chunked attention core on CPU) vs
+  Llama with eager attention (target: ratio <= 1.0),
 - ours vs Llama with SDPA attention (target: within 10%),
 - optionally ours under torch.compile (`--compile`).
 Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
@@ -33,7 +34,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import hf_llama, interleave, interleave_commands, python_command, report  # noqa: E402
 from scratchlm.compat.hf import to_hf_state_dict  # noqa: E402
-from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
+from scratchlm.model import ModelConfig, TransformerLM, kernels  # noqa: E402
 
 CONTENDERS = ("ours", "llama-eager", "llama-sdpa")
 
@@ -54,7 +55,7 @@ def save_weights(preset: str, root: Path, seed: int = 0) -> Path:
 def build(name: str, cfg: ModelConfig, folder: Path) -> torch.nn.Module:
     """One contender, and only it, loaded with the weights in `folder` (save_weights), so all compute one function."""
     if name == "ours":
-        model = TransformerLM(cfg)
+        model = kernels.apply(TransformerLM(cfg), "cpu")  # what train/setup.build_model does
         model.load_state_dict(load_file(folder / "ours.safetensors"))
         return model
     return hf_llama(cfg, load_file(folder / "llama.safetensors"), name.removeprefix("llama-"),

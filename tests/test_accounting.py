@@ -29,7 +29,7 @@ from scratchlm.accounting.params_flops import (
     training_step_flops,
 )
 from scratchlm.cli import main
-from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.model import ModelConfig, TransformerLM, kernels
 from scratchlm.train.loss import cross_entropy
 
 BASE = dict(vocab_size=96, context_length=24, d_model=48, num_layers=2, num_heads=4, d_ff=80)
@@ -124,8 +124,8 @@ class _Held:
 
 def _saved_bytes(config: ModelConfig, batch: int) -> int:
     """Bytes autograd keeps for backward after model forward + cross-entropy, tensors sharing storage counted
-    once, parameters left out."""
-    model = TransformerLM(config)
+    once, parameters left out: the model as the trainer runs it (its CPU kernels applied, see build_model)."""
+    model = kernels.apply(TransformerLM(config), "cpu", fused_attention=False)
     tokens = torch.randint(0, config.vocab_size, (batch, config.context_length))
     boxes: list[weakref.ref] = []
 

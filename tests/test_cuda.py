@@ -24,7 +24,7 @@ import torch
 from scratchlm.config import RunConfig
 from scratchlm.data.token_file import write_token_file
 from scratchlm.generate.sampling import generate
-from scratchlm.model import TransformerLM
+from scratchlm.model import TransformerLM, kernels
 from scratchlm.model.config import PRESETS, ModelConfig
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.train.loss import cross_entropy
@@ -98,7 +98,7 @@ def test_fused_sdpa_equals_from_scratch_attention(model, batch, dtype):
     inputs, _ = batch
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         ours = model(inputs).float()
-        model.set_fused_sdpa(True)
+        kernels.apply(model, fused_attention=True)
         fused = model(inputs).float()
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: two different 8-bit roundings of the softmax
     torch.testing.assert_close(fused, ours, rtol=tolerance, atol=tolerance)

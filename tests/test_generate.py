@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scratchlm.generate.sampling import _Decoder, generate, sample_next, stream, top_k_filter, top_p_filter
-from scratchlm.model import ModelConfig, TransformerLM, packed_matmul
+from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.model.kernels import packed_linear
+from scratchlm.model.kernels.packed_linear import PackedLinear
+from scratchlm.model.layers import linear
 
 CONTEXT = 32  # the tiny preset's context_length
 
@@ -362,15 +365,15 @@ def test_stream_writer_holds_back_partial_utf8_characters():
     assert out.getvalue() == "a🐱é\ufffd\n"
 
 
-@pytest.mark.skipif(not packed_matmul.available(), reason="this torch has no oneDNN packed-linear ops")
+@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed-linear ops")
 def test_batched_decoding_with_packed_weights_matches_unpacked_and_drops_the_packs(model, monkeypatch):
     prompts = _random_prompts([5, 9, 2, 7])
     steps = stream(model, prompts, 2 * CONTEXT, temperature=0)
     next(steps)
-    assert model.lm_head.packed is not None  # batches of >= 3 rows decode with oneDNN-packed weights
+    assert isinstance(model.lm_head.matmul, PackedLinear)  # batches of >= 3 rows decode with packed weights
     steps.close()  # a caller that stops early
-    assert model.lm_head.packed is None
+    assert model.lm_head.matmul is linear  # the model is back on the readable path
     packed = generate(model, prompts, 2 * CONTEXT, temperature=0)
-    assert model.lm_head.packed is None
-    monkeypatch.setattr(packed_matmul, "available", lambda: False)
+    assert model.lm_head.matmul is linear
+    monkeypatch.setattr(packed_linear, "available", lambda: False)
     assert generate(model, prompts, 2 * CONTEXT, temperature=0) == packed

@@ -12,11 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.testing import assert_close
 
-from scratchlm.model import attention, packed_matmul
 from scratchlm.model.attention import RotaryPositionalEmbedding, scaled_dot_product_attention
-from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, packed_for_decoding, silu, softmax
-
-needs_onednn = pytest.mark.skipif(not packed_matmul.available(), reason="this torch has no oneDNN packed-linear ops")
+from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, silu, softmax
 
 
 def test_linear_matches_nn_linear_over_leading_dims():
@@ -32,8 +29,8 @@ def test_linear_matches_nn_linear_over_leading_dims():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("d_in,d_out", [(24, 40), (40, 24)])
 def test_linear_few_and_many_rows_match_nn_linear_with_gradients(rows, dtype, d_in, d_out):
-    """Up to 16 float32 rows take the W xᵀ path (decoding; from 2 rows only for W taller than wide), the rest
-    x Wᵀ: every path equals nn.Linear, gradients too."""
+    """Any number of rows, any dtype, W wider or taller: nn.Linear's values and gradients (the few-row shapes are
+    where kernels/few_rows_linear.py takes over; tests/test_kernels.py holds it to this)."""
     ours = Linear(d_in, d_out, dtype=dtype)
     ref = nn.Linear(d_in, d_out, bias=False, dtype=dtype)
     ref.weight.data.copy_(ours.weight.data)
@@ -43,57 +40,6 @@ def test_linear_few_and_many_rows_match_nn_linear_with_gradients(rows, dtype, d_
     assert_close(y, ref(x))
     grad = torch.randn_like(y)
     assert_close(torch.autograd.grad(y, (x, ours.weight), grad), torch.autograd.grad(ref(x), (x, ref.weight), grad))
-
-
-@needs_onednn
-@pytest.mark.parametrize("rows", [(3,), (8,), (2, 5), (4, 1, 16)])
-@pytest.mark.parametrize("d_in,d_out", [(24, 40), (40, 24)])
-def test_packed_linear_matches_nn_linear_in_inference(rows, d_in, d_out):
-    ours = Linear(d_in, d_out)
-    x = torch.randn(*rows, d_in)
-    with packed_for_decoding(ours, rows=8), torch.inference_mode():
-        assert ours.packed is not None
-        assert_close(ours(x), F.linear(x, ours.weight))
-    assert ours.packed is None
-
-
-@needs_onednn
-def test_packed_weight_is_used_only_where_it_helps_and_while_current(monkeypatch):
-    """>= 3 rows, no autograd, the weight unchanged since packing; otherwise the plain paths, with exact results."""
-    layer = Linear(16, 24)
-    used = []
-    real = packed_matmul.linear
-    monkeypatch.setattr(packed_matmul, "linear", lambda x, packed: used.append(x.shape[:-1]) or real(x, packed))
-    with packed_for_decoding(layer, rows=8):
-        with torch.no_grad():
-            for rows in (1, 2, 3):
-                layer(torch.randn(rows, 16))
-        assert used == [(3,)]
-        layer(torch.randn(8, 16, requires_grad=True)).sum().backward()  # training: not packed
-        with torch.no_grad():
-            layer.weight.mul_(2)  # an in-place change makes the pack stale
-            x = torch.randn(8, 16)
-            assert_close(layer(x), F.linear(x, layer.weight))
-        assert used == [(3,)]
-
-
-@needs_onednn
-def test_packing_is_skipped_where_it_does_not_pay_and_nests(monkeypatch):
-    layer, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
-    model = nn.ModuleList([layer, half])
-    with packed_for_decoding(model, rows=2):  # 1-2 rows are faster unpacked
-        assert layer.packed is None
-    monkeypatch.setattr(packed_matmul, "MAX_PACKED_BYTES", layer.weight.nbytes - 1)
-    with packed_for_decoding(model, rows=8):  # weights too large to copy
-        assert layer.packed is None
-    monkeypatch.undo()
-    with packed_for_decoding(model, rows=8):
-        assert layer.packed is not None and half.packed is None
-        outer = layer.packed
-        with packed_for_decoding(model, rows=8):
-            assert layer.packed is outer
-        assert layer.packed is outer  # the inner block leaves the outer block's packs
-    assert layer.packed is None
 
 
 def test_linear_init_is_truncated_normal_with_xavier_std():
@@ -208,11 +154,8 @@ def test_sdpa_matches_torch_with_and_without_masks(leading):
     assert_close(scaled_dot_product_attention(Q, K, V, causal), F.scaled_dot_product_attention(Q, K, V, causal))
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 3 * 6 * 9, 1 << 19])  # one slice, 3 slices, all at once
 @pytest.mark.parametrize("masked", ["none", "causal", "random"])
-def test_sdpa_gradients_match_torch_for_any_chunking(monkeypatch, chunk_elements, masked):
-    """The chunked attention core (forward and hand-written backward) against torch's SDPA, 7 x 2 slices."""
-    monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", chunk_elements)
+def test_sdpa_gradients_match_torch(masked):
     Q, K, V = (torch.randn(7, 2, t, d, dtype=torch.float64, requires_grad=True) for t, d in ((6, 8), (9, 8), (9, 5)))
     mask = {"none": None, "causal": torch.ones(6, 9, dtype=torch.bool).tril(),
             "random": torch.rand(7, 2, 6, 9) > 0.4}[masked]
@@ -268,7 +211,7 @@ def test_rope_matches_complex_rotation_with_batched_positions():
     assert_close(rope(x, positions), _rope_via_complex(x, positions, 10_000.0), atol=1e-5, rtol=1e-5)
     shared = torch.arange(5)  # one position vector broadcast over the batch
     assert_close(rope(x, shared), _rope_via_complex(x, shared.expand(2, 3, 5), 10_000.0), atol=1e-5, rtol=1e-5)
-    assert "rotations" not in rope.state_dict()
+    assert not rope.state_dict()  # the cos/sin tables are derived, never saved
 
 
 def test_rope_preserves_relative_position_dot_products():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from scratchlm.model import KVCache, ModelConfig, TransformerLM
+from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 
 TINY = ModelConfig.preset("tiny")
 
@@ -85,8 +85,7 @@ def test_token_ids_of_a_dtype_that_cannot_index_rows_are_refused(dtype):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_zero_length_sequence_gives_empty_logits(fused):
-    model = _model()
-    model.set_fused_sdpa(fused)
+    model = kernels.apply(_model(), fused_attention=fused)
     empty = torch.zeros(2, 0, dtype=torch.long)
     assert model(empty).shape == (2, 0, TINY.vocab_size)
     assert model(empty, attention_mask=torch.ones(2, 0, dtype=torch.bool)).shape == (2, 0, TINY.vocab_size)
@@ -143,16 +142,20 @@ def test_check_inputs_off_skips_the_value_range_check():
         model(torch.tensor([[1, 256]]))
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float64, 1e-5)])
-def test_module_to_dtype_keeps_the_rope_table_complex(dtype, tolerance):
-    """``Module.to`` would cast the complex RoPE table to a real dtype; the logits must survive a dtype change."""
+def test_module_to_dtype_keeps_the_logits(dtype, tolerance, fast):
+    """``Module.to`` casts the cos/sin tables with the weights; the logits must survive a dtype change, on the
+    readable path and with the kernels (the complex rotation needs float32/64 pairs: RoPE computes in them)."""
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.preset("tiny")).eval()
+    if fast:
+        kernels.apply(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 24))
     with torch.no_grad():
         expected = model(ids)
         cast = model.to(dtype)
-        assert all(layer.attn.rope.rotations.is_complex() for layer in cast.layers)
+        assert all(layer.attn.rope.cos.dtype == dtype for layer in cast.layers)
         error = (cast(ids).double() - expected.double()).abs().max() / expected.abs().max()
     assert error < tolerance
 
@@ -162,7 +165,7 @@ def test_kv_cache_logits_equal_full_recompute_at_every_step(fused):
     model = _model()
     ids = torch.randint(0, TINY.vocab_size, (3, 20))
     full = model(ids)
-    model.set_fused_sdpa(fused)
+    kernels.apply(model, fused_attention=fused)
     cache = KVCache.for_model(model, batch_size=3)
     with torch.no_grad():
         chunks = [model(ids[:, :5], kv_cache=cache)]  # prefill, then one token at a time
@@ -225,7 +228,7 @@ def test_fused_sdpa_path_matches_ours(padded):
     if padded:
         mask[1, :5] = False
     ours = model(ids, attention_mask=mask)
-    model.set_fused_sdpa(True)
+    kernels.apply(model, fused_attention=True)
     fused = model(ids, attention_mask=mask)
     assert_close(fused, ours, atol=1e-5, rtol=1e-5)
 

@@ -20,9 +20,10 @@ Design:
   `context_length // 4` tokens. A prompt longer than the context is cut the same way (its last `keep` tokens).
   The uncached loop (`use_cache=False`, the benchmark's baseline and the tests' oracle) recomputes exactly the
   same windows, so cached and uncached greedy decoding agree even beyond the context.
-- On CPU in float32, a batch of >= 3 prompts decodes with oneDNN-packed copies of the weights
-  (`model.layers.packed_for_decoding`, model/packed_matmul.py): MKL's few-row matmuls are the slow part there.
-  The packs are made when decoding starts and dropped when it ends (or when the caller drops the stream).
+- Speed: decoding runs under `kernels.decoding(model, rows)` (model/kernels/): the model's fastest paths for its
+  device, and on CPU in float32 for a batch of >= 3 prompts oneDNN-packed copies of the weights (MKL's few-row
+  matmuls are the slow part there). They are switched on when decoding starts and off when it ends (or when the
+  caller drops the stream); kernels the caller applied to the model stay.
 - Each row stops at `eos_id` (not included in its output) or after `max_new_tokens`; the loop ends when every
   row has stopped. `seed` makes sampling reproducible through a private `torch.Generator`.
 """
@@ -34,8 +35,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from scratchlm.model import KVCache, TransformerLM
-from scratchlm.model.layers import packed_for_decoding
+from scratchlm.model import KVCache, TransformerLM, kernels
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[i
 def _decode(decoder: _Decoder, max_new_tokens: int, eos_id: int | None, sampling: dict) -> Iterator[list[int | None]]:
     rows = decoder.tokens.shape[0]
     finished = [False] * rows
-    with packed_for_decoding(decoder.model, rows):  # until the last step, or until the caller drops the stream
+    with kernels.decoding(decoder.model, rows):  # until the last step, or until the caller drops the stream
         for column in range(decoder.prompt_width, decoder.prompt_width + max_new_tokens):
             step: list[int | None] = decoder.next_tokens(column, sampling).tolist()
             for row, token in enumerate(step):

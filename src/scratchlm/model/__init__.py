@@ -1,5 +1,8 @@
 """model stage of scratchlm: the from-scratch Transformer LM, its config and KV cache.
 
+The modules here are the readable algorithm; `scratchlm.model.kernels` holds faster implementations of the same
+math that the trainer and the generator switch on from outside (`kernels.apply`, `kernels.decoding`).
+
 `ModelConfig` needs no torch; the modules are imported on first use, so that planning tools (`scratchlm
 accounting`, `scratchlm --help`) start without loading torch.
 """

@@ -10,18 +10,16 @@ inputs. Design choices:
 - `softmax` is an autograd.Function with a hand-written backward: it saves only its output (like
   `torch.softmax`) instead of the four intermediates a chain of primitives would keep alive, which matters
   for the (B, H, T, T) attention scores.
+- `Linear` computes x Wᵀ through its `matmul` attribute, `linear` here unless the trainer or the generator
+  switched in a faster equivalent from model/kernels/ (`kernels.apply`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
-
-from scratchlm.model import packed_matmul
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +32,9 @@ def _trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
     return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-_FEW_ROWS = 16  # float32 inputs with at most this many rows take the W xᵀ path of Linear.forward on CPU
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ Wᵀ (in, out) -> (..., out), for W stored (out, in) as the reference stores it."""
+    return x @ weight.t()
 
 
 class Linear(nn.Module):
@@ -45,58 +45,13 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
-        # (weight version, oneDNN-packed weight) while `packed_for_decoding` is on; used only while the weight
-        # is unchanged since it was packed.
-        self.packed: tuple[int, torch.Tensor] | None = None
+        self.matmul = linear  # model/kernels/ may swap in a faster x Wᵀ (a few rows on CPU, packed weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if self._use_packed(x, rows):
-            return packed_matmul.linear(x, self.packed[1])
-        if not self._faster_as_w_xt(x, rows):
-            return x @ self.weight.t()  # (..., in) @ (in, out) -> (..., out)
-        flat = x.reshape(rows, self.in_features)
-        columns = torch.cat((flat, flat)).t() if rows == 1 else flat.t()  # a single row is doubled (see below)
-        return (self.weight @ columns).t()[:rows].reshape(*x.shape[:-1], self.out_features)
-
-    def _faster_as_w_xt(self, x: torch.Tensor, rows: int) -> bool:
-        """Whether (W xᵀ)ᵀ beats x Wᵀ: for a few float32 rows on CPU (decoding), measured here.
-
-        BLAS runs x Wᵀ with a row-major W through matrix-vector kernels at a third of memory speed or less, while
-        W xᵀ, (out, in) @ (in, rows), streams W through the matrix-matrix kernel: 2.1x decoding tokens/s at
-        batch 1 (one row doubled to reach that kernel), 1.3x at batch 8. The exception: from 2 rows on, a W wider
-        than tall (the FFN's down projection) is faster as x Wᵀ (+7% tokens/s at batch 8).
-        """
-        if rows > _FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-            return False
-        return rows == 1 or self.in_features <= self.out_features
-
-    def _use_packed(self, x: torch.Tensor, rows: int) -> bool:
-        return (self.packed is not None and rows >= packed_matmul.MIN_ROWS and x.dtype == torch.float32
-                and not torch.is_grad_enabled() and self.packed[0] == self.weight._version)
+        return self.matmul(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-@contextmanager
-def packed_for_decoding(model: nn.Module, rows: int) -> Iterator[None]:
-    """Within the block, the model's Linear layers multiply inputs of >= 3 rows (decoding `rows` sequences at
-    once) by oneDNN-packed copies of their weights, when that helps: float32 weights on CPU, a torch with oneDNN,
-    at most `packed_matmul.MAX_PACKED_BYTES` of weights (see model/packed_matmul.py). The copies are dropped on
-    exit; layers already packed by an enclosing block are left to it."""
-    layers = [layer for layer in model.modules() if isinstance(layer, Linear) and layer.packed is None
-              and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32]
-    size = sum(layer.weight.nbytes for layer in layers)
-    if rows < packed_matmul.MIN_ROWS or size > packed_matmul.MAX_PACKED_BYTES or not packed_matmul.available():
-        layers = []
-    for layer in layers:
-        layer.packed = (layer.weight._version, packed_matmul.pack(layer.weight))
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.packed = None
 
 
 # The dtypes torch indexes rows with. uint8 would be taken as a boolean mask (`weight[ids]` selects the rows

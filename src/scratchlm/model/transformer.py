@@ -6,10 +6,10 @@ soft-capping) select modules here, never forks of the code. Parameter
 names follow the CS336 reference (`token_embeddings`, `layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`,
 `ffn.w1/w2/w3`, `ln_final`, `lm_head`) so reference weights load without remapping.
 
-The model knows nothing of devices, compile, autocast or DDP. The trainer adjusts it from outside through
-three plain attributes: `check_inputs` (the token-id range check costs a device sync on GPU; turn it off when
-the data was validated at load), `checkpoint_blocks` (activation checkpointing per block while training) and
-`set_fused_sdpa(True)` (torch's SDPA kernel for the attention core; see attention.py).
+The model knows nothing of devices, compile, autocast, DDP or speed paths. The trainer adjusts it from outside
+through two plain attributes, `check_inputs` (the token-id range check costs a device sync on GPU; turn it off
+when the data was validated at load) and `checkpoint_blocks` (activation checkpointing per block while
+training), and switches in faster implementations of the same math with `model.kernels.apply(model, device)`.
 """
 
 from __future__ import annotations
@@ -192,11 +192,6 @@ class TransformerLM(nn.Module):
                 token_positions.min() < 0 or token_positions.max() >= cfg.context_length):
             raise ValueError(f"token_positions must lie in [0, {cfg.context_length}), got values in "
                              f"[{token_positions.min().item()}, {token_positions.max().item()}]")
-
-    def set_fused_sdpa(self, enabled: bool) -> None:
-        """Use torch's SDPA kernel (True) or our from-scratch attention core (False, the default)."""
-        for layer in self.layers:
-            layer.attn.use_fused_sdpa = enabled
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (a tied matrix counted once); non_embedding=True: `ModelConfig.non_embedding_params`."""

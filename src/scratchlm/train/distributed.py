@@ -8,8 +8,9 @@ What this file does (the trainer stays single-process code; torchrun supplies th
 - ``wrap_ddp``: ``DistributedDataParallel`` (then ``torch.compile`` of the wrapper, so DDP's bucketed
   all-reduce overlaps the compiled backward). ``wrap_fsdp``: FSDP2 ``fully_shard`` per TransformerBlock, then the
   root (embeddings, final norm, lm_head; a tied matrix lives in the root group); blocks are compiled in place so
-  parameter names never change. FSDP2 has no ``no_sync()``; the wrapped module gets one that turns gradient
-  reduce-scatter off, so the trainer's accumulation (reduce only on the last micro-batch) works for both.
+  parameter names never change. ``no_gradient_sync(model)`` turns gradient reduction off for a micro-batch
+  (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, nothing for a plain module), so the
+  trainer's accumulation (reduce only on the last micro-batch) works for both.
 - Global batch: every rank draws ``data.batch_size`` sequences a step from its own stream seeded by
   (seed, rank); gradients are averaged, so a step at world size N equals one single-process step on the union
   of the N rank batches (tests/test_distributed.py checks this to fp32 round-off).
@@ -66,12 +67,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# The rendezvous store of the process group `setup` started (a TCP key-value store beside the backend's own
+# connections), kept for `teardown`; None while none was started here.
+_store: dist.Store | None = None
+
+
 def setup(device: str = "auto") -> torch.device:
     """Init the process group from torchrun's environment and return this rank's device.
 
     ``device`` is train.device: auto/cuda -> ``cuda:LOCAL_RANK`` with nccl, cpu -> gloo. An explicit ``cuda:N``
     is refused: under torchrun each rank's GPU is its LOCAL_RANK.
     """
+    global _store
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise ValueError(f"distributed setup: environment variables {missing} are not set; launch with "
@@ -93,7 +100,11 @@ def setup(device: str = "auto") -> torch.device:
     else:
         rank_device = torch.device("cpu")
     if not is_distributed():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=rank_device if use_cuda else None)
+        # The rendezvous init_process_group would run itself (env://: torchrun's variables, its agent's store),
+        # run here so that teardown can use the store.
+        _store, rank, world_size = next(dist.rendezvous("env://"))
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=_store, rank=rank, world_size=world_size,
+                                device_id=rank_device if use_cuda else None)
     return rank_device
 
 
@@ -104,19 +115,22 @@ def teardown(*, clean: bool = True) -> None:
     peer's gloo threads abort ("terminate called without an active exception"). A barrier alone does not
     suffice: it returns on one rank while another is still receiving its last message. So the ranks first meet
     in a barrier (the last collective), then report through the rendezvous store that they have left it, and
-    destroy the group only when all have. After an error there is no waiting: the peers may be inside another
-    collective and would never arrive (torchrun stops them instead).
+    destroy the group only when all have (a group that ``setup`` did not start has no store here: the barrier
+    only). After an error there is no waiting: the peers may be inside another collective and would never arrive
+    (torchrun stops them instead).
     """
+    global _store
     if not is_distributed():
         return
     if clean:
         dist.barrier()
-        _wait_until_every_rank_left_the_barrier()
+        if _store is not None:
+            _wait_until_every_rank_left_the_barrier(_store)
     dist.destroy_process_group()
+    _store = None
 
 
-def _wait_until_every_rank_left_the_barrier() -> None:
-    store = dist.distributed_c10d._get_default_store()  # the rendezvous store: TCP, not the gloo connections
+def _wait_until_every_rank_left_the_barrier(store: dist.Store) -> None:
     done = [f"scratchlm/teardown/rank{rank}" for rank in range(dist.get_world_size())]
     store.set(done[dist.get_rank()], "1")
     store.wait(done)
@@ -167,18 +181,25 @@ def wrap_fsdp(model: nn.Module, config: RunConfig) -> nn.Module:
             block.compile()  # in place: a torch.compile wrapper would add "_orig_mod." to every name
         fully_shard(block)
     fully_shard(model)
-    # Why: the trainer skips gradient sync with DDP's no_sync() on all but the last micro-batch.
-    model.no_sync = lambda: _fsdp_no_sync(model)
     return model
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Within the block, backward accumulates gradients on each rank without reducing them across ranks: the
+    trainer's micro-batches but the last. DDP (also compiled): its ``no_sync()``; FSDP2: gradient reduce-scatter
+    off; a single-process module: nothing to turn off."""
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
         yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def is_fsdp(model: nn.Module) -> bool:

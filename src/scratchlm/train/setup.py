@@ -2,7 +2,8 @@
 optimizer, the run directory. ``train`` calls these in order; the demo and the benchmarks call them directly.
 
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
-- ``build_model`` makes the plain TransformerLM; ``wrap_model`` applies torch.compile. A data-parallel launcher
+- ``build_model`` makes the TransformerLM and switches its speed paths on (model/kernels/: the readable model
+  stays what a learner reads); ``wrap_model`` applies torch.compile. A data-parallel launcher
   passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
 - The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
   training window), so the model's per-step token-id check is switched off.
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from scratchlm.config import DEVICE_PATTERN, RunConfig
-from scratchlm.model import TransformerLM
+from scratchlm.model import TransformerLM, kernels
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.groups import recipe_param_groups
 
@@ -85,8 +86,7 @@ def build_model(config: RunConfig, device: torch.device) -> TransformerLM:
     model = TransformerLM(config.model, device=device)
     model.check_inputs = False  # the token files were checked against the vocabulary when opened
     model.checkpoint_blocks = config.train.activation_checkpointing
-    model.set_fused_sdpa(config.train.fused_attention)
-    return model
+    return kernels.apply(model, device, fused_attention=config.train.fused_attention)
 
 
 def wrap_model(model: nn.Module, config: RunConfig) -> nn.Module:

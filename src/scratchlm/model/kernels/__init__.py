@@ -1,0 +1,97 @@
+"""Speed paths for the model: faster implementations of the math in model/, switched on from outside.
+
+model/ is the readable algorithm, and it is what runs unless something here is applied. Each module below
+implements one of the model's swappable contracts, says on which hardware it wins, and is proven equal to the
+readable path (values and gradients) in tests/test_kernels.py:
+
+| module            | stands in for                                   | wins on                                   |
+|-------------------|-------------------------------------------------|-------------------------------------------|
+| chunked_attention | `MultiHeadSelfAttention.attention_core`          | CPU (cache blocking); elsewhere one chunk |
+| fused_attention   | `MultiHeadSelfAttention.attention_core`          | CUDA (torch's fused SDPA); opt-in on CPU  |
+| complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
+| few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
+| packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, float32, >= 3 rows       |
+
+Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
+the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks
+its own conditions on every call and otherwise computes the readable way, so a model moved to another device,
+another dtype, or a torch without oneDNN's private ops still computes the same thing. `readable(model)` puts
+every module back on the readable path (e.g. to step through it in a debugger).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from scratchlm.model.attention import MultiHeadSelfAttention, RotaryPositionalEmbedding, causal_attention, rotate_pairs
+from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
+from scratchlm.model.kernels.complex_rope import rotate_as_complex
+from scratchlm.model.kernels.few_rows_linear import few_rows_linear
+from scratchlm.model.kernels.fused_attention import fused_causal_attention
+from scratchlm.model.kernels.packed_linear import packed_weights
+from scratchlm.model.layers import Linear, linear
+
+# Each swappable contract: the module type, its attribute, and the readable function it holds by default.
+_HOOKS = ((MultiHeadSelfAttention, "attention_core", causal_attention),
+          (RotaryPositionalEmbedding, "rotate", rotate_pairs),
+          (Linear, "matmul", linear))
+
+
+def choices(device: torch.device | str, fused_attention: bool | None = None) -> dict[type, object]:
+    """The fastest implementation of each contract on `device`. fused_attention None: torch's fused SDPA on
+    CUDA, the chunked core elsewhere; True/False forces one or the other."""
+    device = torch.device(device)
+    if fused_attention is None:
+        fused_attention = device.type == "cuda"
+    core = fused_causal_attention if fused_attention else chunked_causal_attention
+    return {MultiHeadSelfAttention: core, RotaryPositionalEmbedding: rotate_as_complex,
+            Linear: few_rows_linear if device.type == "cpu" else linear}
+
+
+def apply(model: nn.Module, device: torch.device | str | None = None, *,
+          fused_attention: bool | None = None) -> nn.Module:
+    """Switch every attention core, RoPE and Linear of `model` to the fastest path on `device` (default: where
+    its parameters are); returns the model. State-dict names and results are unchanged."""
+    _install(model, choices(device or _device_of(model), fused_attention), only_readable=False)
+    return model
+
+
+def readable(model: nn.Module) -> nn.Module:
+    """Put every module of `model` back on the readable path of model/; returns the model."""
+    for module in model.modules():
+        for kind, attribute, default in _HOOKS:
+            if isinstance(module, kind):
+                setattr(module, attribute, default)
+    return model
+
+
+@contextmanager
+def decoding(model: nn.Module, rows: int) -> Iterator[None]:
+    """What generate() decodes `rows` sequences under: `apply`'s choices for the model's device on each module
+    still on the readable path (kernels the caller applied stay), plus oneDNN-packed weights for batches of
+    >= 3 rows on CPU (packed_linear.py). Every module gets its previous implementation back on exit."""
+    saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
+             for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
+    _install(model, choices(_device_of(model)), only_readable=True)
+    try:
+        with packed_weights(model, rows):
+            yield
+    finally:
+        for module, attribute, implementation in saved:
+            setattr(module, attribute, implementation)
+
+
+def _install(model: nn.Module, chosen: dict[type, object], only_readable: bool) -> None:
+    for module in model.modules():
+        for kind, attribute, default in _HOOKS:
+            if isinstance(module, kind) and (not only_readable or getattr(module, attribute) is default):
+                setattr(module, attribute, chosen[kind])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
