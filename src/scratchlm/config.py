@@ -110,7 +110,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda -> mps -> cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "fp32"  # fp32 | bf16 (autocast; the master weights stay fp32)
     compile: bool = False  # torch.compile the model
-    fused_attention: bool = False  # use torch's fused SDPA kernel in attention (speed; ours is the default)
+    fused_attention: bool | None = None  # torch's fused SDPA kernel (None: on CUDA; elsewhere our chunked kernel)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation)
     parallel: str = "ddp"  # under torchrun: ddp (replicate the model) | fsdp (FSDP2: shard it); unused alone

@@ -94,7 +94,7 @@ def block_breakdown(cfg: OpStudyConfig) -> list[dict]:
     """Each op of one pre-norm SwiGLU block, as model/ calls it: its FLOPs and median time, and both as shares.
 
     The attention core is timed op by op over all (B·h, T, T) scores at once. On CPU the model walks the same
-    ops in cache-sized chunks (attention._ChunkedAttention), and its softmax runs in place on the scores, so
+    ops in cache-sized chunks (model/kernels/chunked_attention.py), and its softmax runs in place on the scores, so
     there the core costs less than its rows here add up to.
     """
     B, T, d, h = cfg.batch, cfg.context, cfg.d_model, cfg.num_heads

@@ -168,6 +168,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from scratchlm.data.token_file import open_token_file
     from scratchlm.errors import UserError
+    from scratchlm.model import kernels
     from scratchlm.train.loss import perplexity
     from scratchlm.train.setup import select_device
     from scratchlm.train.step import evaluate
@@ -176,6 +177,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError("--batch-size and --batches must be positive")
     device = select_device(args.device)
     model, config = load_model_for_command(args, device=device)
+    kernels.apply(model, device)  # the speed paths the trainer runs (model/kernels/), equal to the readable ones
     model.check_inputs = False  # the token file is checked against the vocabulary below
     # The run's tokenizer hash (tokenizer_identity.py): a file encoded with another tokenizer is refused.
     tokens = open_token_file(args.data, vocab_size=config.model.vocab_size,

@@ -8,8 +8,9 @@ Design:
   non-finite values on the device (first bad step, its loss and grad norm); the loop reads them only at log,
   eval and checkpoint steps, so the device is never waited on between steps.
 - bf16 autocast covers only the forward; the loss is taken in fp32 on fp32 logits, and the weights stay fp32.
-- Data-parallel wrappers are handled here without knowing which is in use: DDP's ``no_sync`` when the model has
-  it, and FSDP2's replicated grad norm turned back into a plain tensor.
+- Data-parallel wrappers are handled here without knowing which is in use: gradients are reduced on the last
+  micro-batch only (``distributed.no_gradient_sync``: DDP's no_sync, FSDP2's requires_gradient_sync), and FSDP2's
+  replicated grad norm is turned back into a plain tensor.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
     for index, (inputs, targets) in enumerate(batches):
         last = index == len(batches) - 1
         # DDP all-reduces gradients on every backward unless told not to: only the last micro-batch syncs.
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        sync = contextlib.nullcontext() if last else distributed.no_gradient_sync(model)
         with sync:
             with autocast(device, dtype):
                 logits = model(inputs)  # (b, T, V)
