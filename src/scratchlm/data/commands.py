@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from scratchlm.data.download import register_download
+from scratchlm.workers import default_workers
 
 
 def register(subparsers) -> None:
@@ -30,7 +31,8 @@ def _register_encode(actions) -> None:
                         help="tokenizer directory (from `scratchlm tokenizer train`, or GPT-2 vocab.json+merges.txt)")
     parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="UTF-8 text file(s)")
     parser.add_argument("--out", required=True, metavar="FILE", help="token file to write")
-    parser.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="processes (default: 2)")
+    parser.add_argument("--workers", type=_positive_int, default=default_workers(), metavar="N",
+                        help="processes (default: usable CPUs, at most 8)")
     parser.add_argument("--errors", choices=["strict", "replace"], default="strict",
                         help="invalid UTF-8: stop naming file and byte offset (strict, default), "
                              "or substitute U+FFFD (replace)")

@@ -43,7 +43,7 @@ from scratchlm.train import distributed
 from scratchlm.train.budget import BudgetClock, plan_budget
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
-from scratchlm.train.plots import CURVES_FILE, plot_curves
+from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
@@ -267,6 +267,7 @@ class _Loop:
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = model_step_flops(config) if self.peak_flops else None
         self.budget = BudgetClock(config, used=state.budget_used)
+        self.draws_curves = logger is not None and can_draw_curves()
 
     def run(self, stop: StopRequest) -> TrainResult:
         cfg = self.config.train
@@ -386,6 +387,8 @@ class _Loop:
                               sampler_state=self.sampler.state_dict(), extra=extra, val_loss=val_loss)
 
     def _plot(self) -> None:
+        if not self.draws_curves:
+            return
         run_dir = Path(self.config.train.run_dir)
         plot_curves(self.logger.records, run_dir / CURVES_FILE, title=run_dir.name)
 
