@@ -56,6 +56,9 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, quiet: bool = False,
                  wandb_project: str | None = None, wandb_config: dict | None = None,
                  tensorboard: bool = False) -> None:
+        # Trackers first: a missing [tracking] package is refused before any file is opened.
+        self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
+        self._tensorboard = _start_tensorboard(Path(run_dir), start_step) if tensorboard else None
         self.path = Path(run_dir) / METRICS_FILE
         self.records: list[dict[str, Any]] = read_metrics(self.path) if self.path.exists() else []
         self._file = self.path.open("a", encoding="utf-8")
@@ -63,8 +66,6 @@ class MetricsLogger:
         self._echo = not quiet and not interactive  # no terminal: one plain line per log record instead of a bar
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=not interactive)
-        self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
-        self._tensorboard = _start_tensorboard(Path(run_dir), start_step) if tensorboard else None
 
     def log(self, record: dict[str, Any]) -> None:
         summary = describe(record)  # before _json_safe: a non-finite value is a float here, a string after
