@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt")
@@ -108,7 +108,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads (None: torch's default); a budget's probe sets it
     grad_accum_steps: int = 1  # micro-batches per step: data.batch_size must be divisible by it
     device: str = "auto"  # auto (cuda -> mps -> cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "fp32"  # fp32 | bf16 (autocast; the master weights stay fp32)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (autocast; the master weights stay fp32; fp16: CUDA, loss scaling)
     compile: bool = False  # torch.compile the model
     fused_attention: bool | None = None  # torch's fused SDPA kernel (None: on CUDA; elsewhere our chunked kernel)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
@@ -122,8 +122,9 @@ class TrainConfig:
     seed: int = 0  # seeds the initialization and the batch sampler
     run_dir: str = "runs/run"
     max_loss: float | None = None  # a train loss above this counts as divergence (non-finite always does)
-    wandb: bool = False
+    wandb: bool = False  # log to Weights & Biases (the [tracking] extra); RUN/wandb_id makes a resume continue it
     wandb_project: str = "scratchlm"
+    tensorboard: bool = False  # write TensorBoard scalars to RUN/tensorboard/ (the [tracking] extra)
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "log_every", "eval_every", "eval_batches",

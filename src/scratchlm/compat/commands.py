@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
+HF_PACKAGES = ("transformers", "tokenizers")  # the [hf] extra: not part of a plain install
 DEFAULT_MAX_GIB = 8.0  # import hf refuses a model whose build would allocate more (--max-gib)
 # Tensors some Llama checkpoints carry that our model recomputes (RoPE frequencies): not weights, nothing lost.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,9 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------------------------------------------- export
 
 def run_export_hf(args: argparse.Namespace) -> int:
+    from scratchlm.extras import require
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
     from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    for package in HF_PACKAGES:  # checked first: one line naming the extra, not a traceback halfway through
+        require(package, "hf", "scratchlm export hf")
 
     refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
     refuse_foreign_folder(args.out, force=args.force)
@@ -135,7 +140,11 @@ def hf_tokenizer(tokenizer):
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
+    from scratchlm.extras import require
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+
+    for package in HF_PACKAGES:
+        require(package, "hf", "scratchlm import hf")
 
     model_dir, run_dir = args.model, args.out
     if not (model_dir / "config.json").is_file():

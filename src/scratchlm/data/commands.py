@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from scratchlm.data.download import register_download
+from scratchlm.workers import default_workers
 
 
 def register(subparsers) -> None:
@@ -45,7 +46,8 @@ def _register_encode(actions) -> None:
                        help="put the first N documents into a validation file")
     parser.add_argument("--val-out", metavar="FILE",
                         help="validation token file (default: beside --out, NAME.val.tok for NAME.tok)")
-    parser.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="processes (default: 2)")
+    parser.add_argument("--workers", type=_positive_int, default=default_workers(), metavar="N",
+                        help="processes (default: usable CPUs, at most 8)")
     parser.add_argument("--errors", choices=["strict", "replace"], default="strict",
                         help="invalid UTF-8: stop naming file and byte offset (strict, default), "
                              "or substitute U+FFFD (replace)")

@@ -93,9 +93,9 @@ def _loss_limits(all_series: list[list[tuple[float, float]]]) -> tuple[float, fl
 
 def plot_curves(runs: list[RunRecord]) -> bytes:
     """A 2x2 PNG: (validation, training) loss x (steps, wall-clock seconds), all runs overlaid, one legend."""
-    import matplotlib
+    from scratchlm.extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plot", "scratchlm report").use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

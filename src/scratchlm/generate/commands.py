@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's "
                                                                       "copy, RUN/tokenizer)")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps, auto")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
                              "on the hardware)")

@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="a special token, e.g. '<|endoftext|>' (repeatable; never merged)")
     train.add_argument("--out", required=True, metavar="DIR", help="directory to save the tokenizer in")
     train.add_argument("--workers", type=int, default=None, metavar="N",
-                       help="processes for pre-token counting (default: usable CPUs)")
+                       help="processes for pre-token counting (default: usable CPUs, at most 8)")
     train.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
                        help="invalid UTF-8: 'strict' stops naming the file and byte offset; 'replace' uses U+FFFD")
     train.add_argument("--quiet", action="store_true", help="no progress bars or summary")

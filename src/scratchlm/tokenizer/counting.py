@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 
 from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.pretokenize import special_token_regex, split_on_special_tokens, split_pretokens
+from scratchlm.workers import default_workers
 
 # typing's constant, spelled out; typing and pathlib are not imported at all: a short training run (`corpus.en`)
 # would pay ~8 ms of its start-up for them.
@@ -157,13 +158,6 @@ def word_aligned_parts(text: str, size: int = PART_CHARS) -> Iterator[str]:
     yield text[start:]
 
 
-def default_num_workers() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _pool_context() -> multiprocessing.context.BaseContext:
     import multiprocessing  # here, not at the top: small inputs are counted in-process and never need it
 
@@ -201,7 +195,7 @@ def count_pretokens(
         raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
     files = [check_input_file(path) for path in paths]
     total_bytes = sum(map(os.path.getsize, files))
-    workers = default_num_workers() if num_workers is None else num_workers
+    workers = default_workers() if num_workers is None else num_workers
     if workers < 1:
         raise ValueError(f"num_workers must be at least 1, got {workers}")
     if total_bytes < parallel_threshold:

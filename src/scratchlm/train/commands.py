@@ -57,14 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--top", type=int, default=8, help="how many shapes to list (default: 8)")
     plan.set_defaults(func=run_plan)
 
-    evaluate = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a token file",
+    evaluate = subparsers.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a token file",
                                      description="Evaluate a checkpoint (or a run's newest valid one) on any token "
-                                                 "file written by `scratchlm data encode`.")
+                                                 "file written by `scratchlm data encode`: loss (nats/token), "
+                                                 "perplexity, and bits per byte when the run's tokenizer is known "
+                                                 "(comparable across tokenizers).")
     evaluate.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
     evaluate.add_argument("--data", required=True, type=Path, help="token file to evaluate on")
     evaluate.add_argument("--batches", type=int, help="evaluate only the first N batches (default: whole file)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
     evaluate.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
+    evaluate.add_argument("--tokenizer", type=Path, help="tokenizer directory for bits per byte (default: the run's "
+                                                         "copy, RUN/tokenizer, else its data.tokenizer)")
     add_cs336_checkpoint_arguments(evaluate)  # --cs336-checkpoint FILE + its shape, to compare a course model
     evaluate.set_defaults(func=run_eval)
 
@@ -169,6 +173,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from scratchlm.data.token_file import open_token_file
     from scratchlm.errors import UserError
     from scratchlm.model import kernels
+    from scratchlm.train.bits_per_byte import bits_per_byte, token_byte_lengths
     from scratchlm.train.loss import perplexity
     from scratchlm.train.setup import select_device
     from scratchlm.train.step import evaluate
@@ -182,12 +187,38 @@ def run_eval(args: argparse.Namespace) -> int:
     # The run's tokenizer hash (tokenizer_identity.py): a file encoded with another tokenizer is refused.
     tokens = open_token_file(args.data, vocab_size=config.model.vocab_size,
                              tokenizer_hash=config.data.tokenizer_hash).tokens
-    if len(tokens) < config.model.context_length + 1:
-        raise UserError(f"{args.data} holds {len(tokens)} tokens, fewer than context_length + 1 = "
-                        f"{config.model.context_length + 1}")
-    config = config.with_overrides([f"data.batch_size={args.batch_size}", "train.grad_accum_steps=1",
-                                    "train.dtype=fp32"])
+    context = config.model.context_length
+    if len(tokens) < context + 1:
+        raise UserError(f"{args.data} holds {len(tokens)} tokens, fewer than context_length + 1 = {context + 1}")
+    tokenizer = _eval_tokenizer(args, config)
+    bits = ""
     with torch.inference_mode():
-        loss = evaluate(model, tokens, config, device, max_batches=args.batches)
-    print(f"loss {loss:.4f}  perplexity {perplexity(loss):.3f}  ({args.data})")
+        if tokenizer is None:
+            config = config.with_overrides([f"data.batch_size={args.batch_size}", "train.grad_accum_steps=1",
+                                            "train.dtype=fp32"])
+            loss = evaluate(model, tokens, config, device, max_batches=args.batches)
+        else:  # the same windows as evaluate's (validation_batches), so the loss is the same number
+            windows = (len(tokens) - 1) // context
+            if args.batches is not None:
+                windows = min(windows, args.batches * args.batch_size)
+            scored = bits_per_byte(model, tokens, token_byte_lengths(tokenizer), context, windows * context,
+                                   batch_size=args.batch_size, device=device)
+            loss, bits = scored.nats_per_token, f"  bits/byte {scored.bits_per_byte:.4f}"
+    print(f"loss {loss:.4f}  perplexity {perplexity(loss):.3f}{bits}  ({args.data})")
     return 0
+
+
+def _eval_tokenizer(args: argparse.Namespace, config):
+    """The tokenizer bits per byte needs: --tokenizer (errors are errors), else the run's own (none known, or not
+    found: a note on stderr, and eval reports loss and perplexity alone)."""
+    from scratchlm.errors import UserError
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    checkpoint = args.checkpoint or args.cs336_checkpoint
+    if args.tokenizer is not None:
+        return tokenizer_for_run(checkpoint, config, args.tokenizer)
+    try:
+        return tokenizer_for_run(checkpoint, config, None)
+    except UserError as error:
+        print(f"scratchlm eval: note: no bits per byte ({error})", file=sys.stderr)
+        return None

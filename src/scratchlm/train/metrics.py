@@ -1,4 +1,5 @@
-"""Where a run's numbers go: metrics.jsonl (always), a progress bar (on a terminal), Weights & Biases (if asked).
+"""Where a run's numbers go: metrics.jsonl (always), a progress bar (on a terminal), TensorBoard and Weights &
+Biases (if asked; the ``[tracking]`` extra).
 
 metrics.jsonl is the run's record that sweeps, reports and plots read back (schema: docs/architecture.md,
 "Run directory"). Each record is one line, written and flushed as it happens, so a killed run loses at most a
@@ -6,6 +7,11 @@ half-written last line (readers drop it). It is read back with ``experiments.run
 sweeps and reports use: a malformed line elsewhere is an error naming the file and line, so a resume never
 rewrites the file without the records after it. Resuming truncates the file back to the checkpoint's step, so
 the resumed run's file reads like the uninterrupted run's.
+
+TensorBoard event files go to RUN/tensorboard/; a resumed run purges the events past its checkpoint's step, as
+metrics.jsonl is cut back. A W&B run's id is kept in RUN/wandb_id, so a resumed scratchlm run continues the same
+W&B run instead of opening a new one. Both get the numeric fields of train and eval records, as "train/loss",
+"eval/val_loss", ... at the record's step.
 
 The trainer calls this only at log/eval steps (never per step), so nothing here forces a host sync.
 Only the main process (rank 0) should build a MetricsLogger.
@@ -23,11 +29,14 @@ from typing import Any
 from tqdm import tqdm
 
 from scratchlm.experiments.runs import read_metrics
+from scratchlm.extras import require
 from scratchlm.write_errors import naming
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_id"
 
-# Dense peak FLOP/s from vendor datasheets, (bf16 tensor cores, plain fp32), matched against the CUDA device
+# Dense peak FLOP/s from vendor datasheets, (bf16/fp16 tensor cores, plain fp32), matched against the CUDA device
 # name. fp32 runs are measured against the fp32 peak (TF32 is off by default in torch matmuls).
 PEAK_FLOPS = {
     "H200": (989e12, 67e12),
@@ -41,10 +50,15 @@ PEAK_FLOPS = {
 
 
 class MetricsLogger:
-    """Appends records to RUN/metrics.jsonl and mirrors them to a progress bar and, optionally, W&B."""
+    """Appends records to RUN/metrics.jsonl and mirrors them to a progress bar and, optionally, TensorBoard and
+    W&B."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, quiet: bool = False,
-                 wandb_project: str | None = None, wandb_config: dict | None = None) -> None:
+                 wandb_project: str | None = None, wandb_config: dict | None = None,
+                 tensorboard: bool = False) -> None:
+        # Trackers first: a missing [tracking] package is refused before any file is opened.
+        self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
+        self._tensorboard = _start_tensorboard(Path(run_dir), start_step) if tensorboard else None
         self.path = Path(run_dir) / METRICS_FILE
         self.records: list[dict[str, Any]] = read_metrics(self.path) if self.path.exists() else []
         self._file = self.path.open("a", encoding="utf-8")
@@ -52,7 +66,6 @@ class MetricsLogger:
         self._echo = not quiet and not interactive  # no terminal: one plain line per log record instead of a bar
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=not interactive)
-        self._wandb = _start_wandb(wandb_project, wandb_config, Path(run_dir)) if wandb_project else None
 
     def log(self, record: dict[str, Any]) -> None:
         summary = describe(record)  # before _json_safe: a non-finite value is a float here, a string after
@@ -62,9 +75,14 @@ class MetricsLogger:
         with naming(self.path, len(line)):
             self._file.write(line)
             self._file.flush()
-        if self._wandb is not None and record["kind"] != "end":
-            self._wandb.log({f"{record['kind']}/{k}": v for k, v in record.items() if k not in ("kind", "step")},
-                            step=record["step"])
+        if record["kind"] != "end":
+            scalars = tracked_scalars(record)
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=record["step"])
+            if self._tensorboard is not None:
+                for name, value in scalars.items():
+                    self._tensorboard.add_scalar(name, value, global_step=record["step"])
+                self._tensorboard.flush()  # a log step is rare: a crashed run keeps everything it logged
         if self._bar.disable:
             if self._echo:
                 print(summary, file=sys.stderr, flush=True)
@@ -81,13 +99,21 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def tracked_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a train/eval record as {"KIND/FIELD": value} (step and None-valued fields left out)."""
+    return {f"{record['kind']}/{key}": value for key, value in record.items()
+            if key not in ("kind", "step") and isinstance(value, int | float) and not isinstance(value, bool)}
 
 
 def device_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak FLOP/s of a known GPU for ``dtype`` ("fp32" | "bf16"), else None (then MFU is not reported)."""
-    for key, (bf16, fp32) in PEAK_FLOPS.items():
+    """Peak FLOP/s of a known GPU for ``dtype`` ("fp32" | "bf16" | "fp16"), else None (then MFU is not reported)."""
+    for key, (half, fp32) in PEAK_FLOPS.items():
         if key in device_name:
-            return bf16 if dtype == "bf16" else fp32
+            return half if dtype in ("bf16", "fp16") else fp32  # the tensor cores run fp16 as fast as bf16
     return None
 
 
@@ -121,9 +147,21 @@ def _json_safe(value: Any) -> Any:
 
 
 def _start_wandb(project: str, config: dict | None, run_dir: Path) -> Any:
-    try:
-        import wandb
-    except ModuleNotFoundError:
-        raise ValueError("train.wandb = true but the wandb package is not installed "
-                         "(pip install wandb, or set train.wandb = false)") from None
-    return wandb.init(project=project, config=config, dir=str(run_dir), name=run_dir.name)
+    """A W&B run; the same one again when RUN/wandb_id holds its id (written before init, so a crash keeps it)."""
+    wandb = require("wandb", "tracking", "train.wandb = true")
+    id_file = run_dir / WANDB_ID_FILE
+    if id_file.is_file():
+        run_id = id_file.read_text(encoding="utf-8").strip()
+    else:
+        run_id = wandb.util.generate_id()
+        id_file.write_text(run_id + "\n", encoding="utf-8")
+    return wandb.init(project=project, config=config, dir=str(run_dir), name=run_dir.name, id=run_id,
+                      resume="allow")
+
+
+def _start_tensorboard(run_dir: Path, start_step: int) -> Any:
+    """A SummaryWriter on RUN/tensorboard/; a resume drops the events logged after the checkpoint it resumes."""
+    require("tensorboard", "tracking", "train.tensorboard = true")  # torch.utils.tensorboard imports it
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None)

@@ -2,16 +2,29 @@
 
 Drawn from metrics.jsonl records alone (so any run directory can be re-plotted) with matplotlib's Agg backend
 (no display needed). The file is written to a temporary name and renamed, so a viewer never sees half a PNG.
+matplotlib is optional (the ``[plot]`` extra): without it a run trains on without curves, saying so once.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from scratchlm.extras import optional_import
+
 CURVES_FILE = "curves.png"
+
+
+def can_draw_curves() -> bool:
+    """Whether matplotlib is installed; if not, one warning line (metrics.jsonl still has every number)."""
+    if optional_import("matplotlib") is None:
+        print(f"scratchlm: warning: matplotlib is not installed, so no {CURVES_FILE} is drawn "
+              f"(pip install 'scratchlm[plot]')", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:

@@ -34,6 +34,19 @@ def set_matmul_precision(device: torch.device, tf32: bool) -> None:
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+def check_dtype_on_device(dtype: str, device: torch.device) -> None:
+    """fp16 training is for CUDA GPUs without bf16: its loss scaling (torch.amp.GradScaler) and speed are CUDA's;
+    a CPU has no fp16 tensor cores to gain from, and bf16 (same memory, no scaling) runs everywhere else."""
+    if dtype == "fp16" and device.type != "cuda":
+        raise ValueError(f"train.dtype = fp16 needs a CUDA GPU (this run is on {device.type}): use fp32, or bf16 "
+                         f"for mixed precision")
+
+
+def grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (train/step.py), None for the other dtypes."""
+    return torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+
+
 def select_device(name: str) -> torch.device:
     """``auto`` picks cuda, then mps, then cpu; an explicit device must exist on this machine.
 

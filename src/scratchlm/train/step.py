@@ -7,7 +7,11 @@ Design:
 - No host sync: ``train_step`` returns its loss and grad norm as device tensors, and ``DivergenceWatch`` records
   non-finite values on the device (first bad step, its loss and grad norm); the loop reads them only at log,
   eval and checkpoint steps, so the device is never waited on between steps.
-- bf16 autocast covers only the forward; the loss is taken in fp32 on fp32 logits, and the weights stay fp32.
+- bf16/fp16 autocast covers only the forward; the loss is taken in fp32 on fp32 logits, and the weights stay fp32.
+  fp16 (for GPUs without bf16) has 5 exponent bits, so small gradients underflow: a ``torch.amp.GradScaler``
+  multiplies the loss before backward and divides the gradients before clipping, and skips (with a smaller
+  scale) a step whose gradients overflowed. Such a step reports grad norm 0, since nothing was applied: an
+  overflow is the scaler's business, not divergence (a diverging loss still shows).
 - Data-parallel wrappers are handled here without knowing which is in use: gradients are reduced on the last
   micro-batch only (``distributed.no_gradient_sync``: DDP's no_sync, FSDP2's requires_gradient_sync), and FSDP2's
   replicated grad norm is turned back into a plain tensor.
@@ -45,17 +49,23 @@ def learning_rate(step: int, config: RunConfig) -> float:
     return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.dtype -> autocast dtype (fp32: none)
+
+
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES.get(dtype, torch.bfloat16),
+                          enabled=dtype in AUTOCAST_DTYPES)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, lr: float, grad_clip: float, dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+               *, lr: float, grad_clip: float, dtype: str = "fp32",
+               scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
 
     Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
     measured before clipping. ``grad_clip`` = 0 measures the norm without clipping. A param group with an
     ``lr_scale`` (its own peak rate over optim.lr: Muon's matrices, the embeddings, the head) trains at lr times it.
+    ``scaler``: fp16's loss scaling (module docstring).
     """
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -69,11 +79,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
             with autocast(device, dtype):
                 logits = model(inputs)  # (b, T, V)
             loss = cross_entropy(logits.float(), targets) / len(batches)
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
         loss_sum += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # true gradients, so clipping and the reported norm mean what they say
     grad_norm = clip_gradients(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     grad_norm = distributed.as_full_tensor(grad_norm)  # FSDP2: a replicated DTensor -> a plain tensor
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped when the gradients overflowed
+        scaler.update()
+        grad_norm = torch.where(torch.isfinite(grad_norm), grad_norm, 0.0)
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 

@@ -43,11 +43,13 @@ from scratchlm.train import distributed
 from scratchlm.train.budget import BudgetClock, plan_budget
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
-from scratchlm.train.plots import CURVES_FILE, plot_curves
+from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
     build_optimizer,
+    check_dtype_on_device,
+    grad_scaler,
     open_data,
     prepare_run_dir,
     select_device,
@@ -88,6 +90,7 @@ class LoopState:
     last_train_loss: float | None = None
     window_loss_sum: float = 0.0  # losses of the steps since the last log record
     window_steps: int = 0
+    grad_scaler: dict | None = None  # fp16's loss scale and its growth tracker (GradScaler.state_dict)
 
 
 class StopRequest:
@@ -145,6 +148,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
     device = device or select_device(config.train.device)
+    check_dtype_on_device(config.train.dtype, device)
     set_matmul_precision(device, config.train.tf32)
     if is_main_process:
         prepare_run_dir(run_dir, resume)
@@ -211,7 +215,7 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
     if is_main_process:
         logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
-                               wandb_config=config.to_dict())
+                               wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
     loop = _Loop(config, model, raw_model, optimizer, sampler, val_tokens, checkpoints, logger, state, device,
                  world_size)
     try:
@@ -269,6 +273,10 @@ class _Loop:
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = model_step_flops(config) if self.peak_flops else None
         self.budget = BudgetClock(config, used=state.budget_used)
+        self.scaler = grad_scaler(config.train.dtype, device)
+        if self.scaler is not None and state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
+        self.draws_curves = logger is not None and can_draw_curves()
 
     def run(self, stop: StopRequest) -> TrainResult:
         cfg = self.config.train
@@ -283,7 +291,7 @@ class _Loop:
             lr = learning_rate(self.state.step, self.config)
             batches = list(_batches(self.sampler, cfg.grad_accum_steps))
             loss, grad_norm = train_step(self.model, self.optimizer, batches, lr=lr,
-                                         grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype)
+                                         grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype, scaler=self.scaler)
             self.state.step += 1
             self.state.tokens += self.tokens_per_step
             step, final = self.state.step, self.state.step == cfg.max_steps
@@ -383,11 +391,14 @@ class _Loop:
         self.state.wall_time, self.state.train_time = self._wall_time(), self._train_time()
         self.state.budget_used = self.budget.used()
         self.state.window_loss_sum = self.window_loss.item()
+        self.state.grad_scaler = self.scaler.state_dict() if self.scaler is not None else None
         extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
         self.checkpoints.save(self.state.step, model, optimizer, config=self.config.to_dict(),
                               sampler_state=self.sampler.state_dict(), extra=extra, val_loss=val_loss)
 
     def _plot(self) -> None:
+        if not self.draws_curves:
+            return
         run_dir = Path(self.config.train.run_dir)
         plot_curves(self.logger.records, run_dir / CURVES_FILE, title=run_dir.name)
 

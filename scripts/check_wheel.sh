@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# A plain `pip install scratchlm` works: build the wheel, install it with NO extras into a fresh virtualenv (no
+# system site-packages), and run tokenizer train -> data encode -> train -> generate -> eval on a tiny text.
+# Also checks that a missing extra is one line naming it (export hf without [hf]) and that training without
+# matplotlib warns once and writes no curves.png.
+#
+# torch is installed first exactly as scripts/setup_venv.sh does it (SCRATCHLM_TORCH, SCRATCHLM_TORCH_INDEX_URL),
+# so on this project's machines it is the local CPU wheel. Everything happens in a temporary folder (removed at
+# the end; KEEP=1 keeps it). Prints the seconds each stage took.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+PYTHON="${PYTHON:-python3}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/scratchlm-wheel.XXXXXX")"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
+PIP=(--quiet --disable-pip-version-check)
+SECONDS=0
+stage() { echo "check_wheel: [${SECONDS}s] $*"; }
+fail() { echo "check_wheel: FAILED: $*" >&2; exit 1; }
+
+stage "building the wheel in $WORK"
+"$PYTHON" -m venv "$WORK/build-venv"
+"$WORK/build-venv/bin/python" -m pip install "${PIP[@]}" build
+"$WORK/build-venv/bin/python" -m build --wheel --outdir "$WORK/dist" "$REPO" >"$WORK/build.log" 2>&1 \
+    || { cat "$WORK/build.log" >&2; fail "python -m build"; }
+WHEEL="$(ls "$WORK"/dist/scratchlm-*.whl)"
+
+stage "installing torch, then $(basename "$WHEEL") with no extras"
+"$PYTHON" -m venv "$WORK/venv"  # a plain venv sees no system site-packages
+VENV_PY="$WORK/venv/bin/python"
+TORCH_INDEX=()
+[ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
+"$VENV_PY" -m pip install "${PIP[@]}" "${TORCH_INDEX[@]}" "${SCRATCHLM_TORCH:-torch==2.13.0}"
+"$VENV_PY" -m pip install "${PIP[@]}" "$WHEEL"
+for extra_only in matplotlib transformers tokenizers tensorboard wandb psutil; do
+    if "$VENV_PY" -c "import $extra_only" 2>/dev/null; then fail "$extra_only came with a plain install"; fi
+done
+
+stage "tokenizer train -> data encode -> train -> generate -> eval"
+cd "$WORK"  # not the checkout: the installed package must not lean on the source tree
+SCRATCHLM="$WORK/venv/bin/scratchlm"
+for i in $(seq 1 400); do
+    echo "Once upon a time, story $i: a small fox found $((i % 7)) red apples and shared them with a friend."
+done >text.txt
+"$SCRATCHLM" tokenizer train --input text.txt --vocab-size 300 --special-token '<|endoftext|>' --out tok --quiet
+"$SCRATCHLM" data encode --tokenizer tok --input text.txt --out text.tok --quiet
+cat >tiny.toml <<'TOML'
+[model]
+preset = "tiny"
+vocab_size = 300
+
+[optim]
+warmup_iters = 2
+
+[data]
+batch_size = 4
+tokenizer = "tok"
+
+[train]
+max_steps = 10
+log_every = 5
+eval_every = 5
+eval_batches = 2
+checkpoint_every = 10
+run_dir = "run"
+TOML
+"$SCRATCHLM" train --config tiny.toml --set data.train_path=text.tok --set data.val_path=text.tok --quiet \
+    2>train.err || { cat train.err >&2; fail "train"; }
+[ "$(grep -c "matplotlib is not installed" train.err)" = 1 ] || { cat train.err >&2; fail "want ONE matplotlib warning"; }
+[ ! -e run/curves.png ] || fail "curves.png written without matplotlib"
+"$SCRATCHLM" generate --checkpoint run --prompt "Once upon" --max-new-tokens 8 --seed 0 >generated.txt
+[ -s generated.txt ] || fail "generate printed nothing"
+"$SCRATCHLM" eval --checkpoint run --data text.tok --batches 2 | tee eval.txt
+grep -q "bits/byte" eval.txt || fail "eval reported no bits per byte"
+
+stage "a missing extra is one line"
+if "$SCRATCHLM" export hf --checkpoint run --out hf 2>export.err; then fail "export hf ran without [hf]"; fi
+[ "$(wc -l <export.err)" = 1 ] && grep -q "pip install 'scratchlm\[hf\]'" export.err \
+    || { cat export.err >&2; fail "export hf without [hf]: want one line naming the extra"; }
+cat export.err
+stage "OK"

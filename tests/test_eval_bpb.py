@@ -1,0 +1,95 @@
+"""`scratchlm eval` reports bits per byte beside loss and perplexity: its loss is the trainer's `evaluate` on the
+same windows, and its bits per byte is that loss in bits over the UTF-8 bytes the scored tokens decode to,
+computed here independently; with no tokenizer known it says so on stderr and reports loss alone."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scratchlm.cli import main as cli_main
+from scratchlm.config import load_config
+from scratchlm.data.token_file import open_token_file, write_token_file
+from scratchlm.tokenizer.tokenizer import Tokenizer
+from scratchlm.tokenizer.train_bpe import train_bpe
+from scratchlm.train.checkpoint import load_for_inference
+from scratchlm.train.step import evaluate
+from scratchlm.train.trainer import train
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TEXT = "the cat sat on the mat. a dog ran to the park! we like red apples.<|endoftext|>" * 40
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("bpb")
+    (folder / "text.txt").write_text(TEXT, encoding="utf-8")
+    vocab, merges = train_bpe(str(folder / "text.txt"), 300, ["<|endoftext|>"])
+    tokenizer = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    tokenizer.save(folder / "tok")
+    write_token_file(folder / "t.tok", tokenizer.encode(TEXT), vocab_size=tokenizer.vocab_size,
+                     tokenizer_hash=tokenizer.hash)
+    config = load_config(CONFIGS / "tiny.toml", [
+        f"data.train_path={folder / 't.tok'}", f"data.val_path={folder / 't.tok'}", f"data.tokenizer={folder / 'tok'}",
+        f"model.vocab_size={tokenizer.vocab_size}", "data.batch_size=4", f"train.run_dir={folder / 'run'}",
+        "train.max_steps=6", "train.eval_every=6", "train.eval_batches=1", "train.checkpoint_every=6",
+        "optim.warmup_iters=1"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train(config, quiet=True).status == "finished"
+    finally:
+        torch.set_num_threads(threads)
+    return {"run": folder / "run", "tokens": folder / "t.tok", "tokenizer": folder / "tok"}
+
+
+def eval_line(run: dict[str, Path], capsys, *extra: str) -> tuple[str, str]:
+    assert cli_main(["eval", "--checkpoint", str(run["run"]), "--data", str(run["tokens"]), "--batch-size", "2",
+                     "--batches", "3", "--device", "cpu", *extra]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_eval_bits_per_byte_matches_an_independent_count(run, capsys):
+    out, _ = eval_line(run, capsys)
+    loss, bits = (float(x) for x in re.fullmatch(r"loss (\S+)  perplexity \S+  bits/byte (\S+)  \(.*\)\n",
+                                                   out).groups())
+    model, config = load_for_inference(run["run"], device="cpu")
+    context = config.model.context_length
+    config = config.with_overrides(["data.batch_size=2", "train.grad_accum_steps=1"])
+    tokens = open_token_file(run["tokens"]).tokens
+    expected_loss = evaluate(model, tokens, config, torch.device("cpu"), max_batches=3)
+    assert loss == pytest.approx(expected_loss, abs=1e-4)
+    tokenizer = Tokenizer.load(run["tokenizer"])
+    targets = [int(t) for t in tokens[1:3 * 2 * context + 1]]  # 3 batches of 2 windows
+    eot = tokenizer.special_id("<|endoftext|>")
+    assert eot in targets  # the special token counts as one byte, not its 13 characters
+    num_bytes = sum(1 if t == eot else len(tokenizer.decode_bytes([t])) for t in targets)
+    assert num_bytes > len(targets)  # merges make tokens longer than a byte: bpb differs from loss / ln 2
+    assert bits == pytest.approx(expected_loss * len(targets) / math.log(2) / num_bytes, abs=2e-4)
+
+
+def test_eval_without_a_known_tokenizer_reports_loss_and_says_why(run, capsys, tmp_path):
+    moved = tmp_path / "run"
+    shutil.copytree(run["run"], moved)
+    shutil.rmtree(moved / "tokenizer")  # no run copy; data.tokenizer still names the original: hide it too
+    original = run["tokenizer"].rename(run["tokenizer"].with_name("tok-away"))
+    try:
+        out, err = eval_line({**run, "run": moved}, capsys)
+    finally:
+        original.rename(run["tokenizer"])
+    assert "bits/byte" not in out and out.startswith("loss ")
+    assert err.startswith("scratchlm eval: note: no bits per byte (") and err.count("\n") == 1
+
+
+def test_eval_refuses_a_given_tokenizer_of_another_run(run, capsys, tmp_path):
+    other = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    other.save(tmp_path / "other")
+    assert cli_main(["eval", "--checkpoint", str(run["run"]), "--data", str(run["tokens"]), "--device", "cpu",
+                     "--tokenizer", str(tmp_path / "other")]) == 1
+    assert "was trained with tokenizer" in capsys.readouterr().err
