@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from scratchlm.extras import require
+
 END_OF_TEXT = "<|endoftext|>"
 HF_PREFIX = "hf:"
 READ_BLOCK = 1 << 20
@@ -129,7 +131,7 @@ def _open_binary(source: Source):
     if source.compression == ".gz":
         return gzip.open(source.path, "rb")
     if source.compression == ".zst":
-        zstandard = _optional("zstandard", source)
+        zstandard = require("zstandard", "data", f"reading {source.path}")
         return zstandard.ZstdDecompressor().stream_reader(open(source.path, "rb"), closefd=True)
     return open(source.path, "rb")
 
@@ -254,7 +256,7 @@ def _kind(value: object) -> str:
 
 
 def _parquet_documents(source: Source, text_field: str) -> Iterator[str]:
-    parquet = _optional("pyarrow.parquet", source, package="pyarrow")
+    parquet = require("pyarrow.parquet", "data", f"reading {source.path}")
     try:
         table = parquet.ParquetFile(source.path)
     except Exception as error:  # noqa: BLE001 pyarrow raises ArrowInvalid and others for a damaged file
@@ -272,7 +274,7 @@ def _parquet_documents(source: Source, text_field: str) -> Iterator[str]:
 
 def _hf_documents(source: Source, text_field: str) -> Iterator[str]:
     """Rows of a Hugging Face dataset, streamed (a hub dataset) or memory-mapped (a save_to_disk folder)."""
-    datasets = _optional("datasets", source)
+    datasets = require("datasets", "data", f"reading {source.path}")
     name, config, split = parse_hf_spec(source.path)
     where = f"{HF_PREFIX}{source.path}"
     local = Path(name)
@@ -306,12 +308,3 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
-def _optional(module: str, source: Source, package: str | None = None):
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = package or module
-        raise ValueError(f"{source.path}: reading it needs the {package} package: pip install "
-                         f"'scratchlm[data]' (or pip install {package})") from None
