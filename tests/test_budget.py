@@ -80,8 +80,11 @@ def test_budget_clock_counts_evaluations_only_when_the_budget_includes_them(data
     for includes, expected in ((True, 10.0), (False, 6.0)):
         config = config_for(data, tmp_path, "train.budget_seconds=8", f"train.budget_includes_eval={includes}")
         watch = BudgetClock(config, used=1.0, clock=clock)
-        now[0] += 9.0
-        watch.pause(4.0)
+        now[0] += 5.0
+        watch.begin_pause()
+        now[0] += 4.0
+        assert watch.used() == (10.0 if includes else 6.0)  # during the pause: at its start when excluded
+        watch.end_pause()
         assert watch.used() == expected and watch.exceeded() == (expected >= 8)
         now[0] = 0.0
 

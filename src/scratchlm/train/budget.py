@@ -135,7 +135,9 @@ def plan_budget(config: RunConfig,
 class BudgetClock:
     """Budget time used so far: training time, plus evaluation/checkpoint time when the budget includes it.
 
-    ``clock`` is injectable so tests never depend on the machine's speed.
+    The loop brackets each evaluation/checkpoint with ``begin_pause``/``end_pause``; read during one (a
+    checkpoint records the time used), the clock stands at the pause's start. ``clock`` is injectable so tests
+    never depend on the machine's speed.
     """
 
     def __init__(self, config: RunConfig, used: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -144,15 +146,21 @@ class BudgetClock:
         self.clock = clock
         self.used_before = used  # from earlier sessions of a resumed run
         self.session_start = clock()
-        self.paused = 0.0
+        self.paused = 0.0  # excluded pause time of this session
+        self.pause_start: float | None = None
 
-    def pause(self, seconds: float) -> None:
-        """Evaluation/checkpoint time: counted only when the budget includes evaluations."""
+    def begin_pause(self) -> None:
+        self.pause_start = self.clock()
+
+    def end_pause(self) -> None:
         if not self.includes_eval:
-            self.paused += seconds
+            self.paused += self.clock() - self.pause_start
+        self.pause_start = None
 
     def used(self) -> float:
-        return self.used_before + self.clock() - self.session_start - self.paused
+        excluding = not self.includes_eval and self.pause_start is not None
+        now = self.pause_start if excluding else self.clock()
+        return self.used_before + now - self.session_start - self.paused
 
     def exceeded(self) -> bool:
         return self.budget is not None and self.used() >= self.budget

@@ -286,6 +286,7 @@ class _Loop:
         # The throughput window starts here even when the restored loss window holds steps from before the resume.
         self.window_start_step = self.state.step
         self.paused = self.session_paused = 0.0  # eval/checkpoint/plot time, left out of tokens/s
+        self.pause_start: float | None = None  # while evaluating or checkpointing
         status, message = "finished", ""
         while self.state.step < cfg.max_steps:
             lr = learning_rate(self.state.step, self.config)
@@ -335,20 +336,24 @@ class _Loop:
         return log and distributed.any_rank(wanted, self.device)
 
     def _paused(self, work: Callable[[], T]) -> T:
-        start = time.perf_counter()
+        self.pause_start = time.perf_counter()
+        self.budget.begin_pause()
         result = work()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - self.pause_start
         self.paused += seconds
         self.session_paused += seconds
-        self.budget.pause(seconds)
+        self.pause_start = None
+        self.budget.end_pause()
         return result
 
     def _wall_time(self) -> float:
         return self.start_wall + time.perf_counter() - self.session_start
 
     def _train_time(self) -> float:
-        """Training seconds so far, across resumes, without evaluations and checkpoints."""
-        return self.start_train_time + time.perf_counter() - self.session_start - self.session_paused
+        """Training seconds so far, across resumes, without evaluations and checkpoints (read during one, the time
+        at its start)."""
+        now = self.pause_start if self.pause_start is not None else time.perf_counter()
+        return self.start_train_time + now - self.session_start - self.session_paused
 
     def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
         loss = (distributed.mean_across_ranks(self.window_loss) / self.state.window_steps).item()
