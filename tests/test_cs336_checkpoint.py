@@ -75,7 +75,9 @@ def test_eval_of_a_cs336_checkpoint_equals_the_run(course_files, capsys):
     argv = ["eval", "--data", str(folder / "valid.tok"), "--batch-size", "4", "--batches", "3", "--device", "cpu"]
     assert main([*argv, "--checkpoint", str(folder / "run")]) == 0
     from_run = capsys.readouterr().out
-    assert main([*argv, "--cs336-checkpoint", str(folder / "ckpt.pt"), *SHAPE]) == 0
+    # the run's own tokenizer, for bits per byte (a bare course checkpoint names none)
+    assert main([*argv, "--cs336-checkpoint", str(folder / "ckpt.pt"), *SHAPE, "--tokenizer",
+                 str(folder / "run" / "tokenizer")]) == 0
     assert capsys.readouterr().out == from_run
     # and a different model gives a different loss: the file's weights are really the ones evaluated
     other = _saved_with(folder, "scaled.pt", lambda sd: {k: v * 1.5 for k, v in sd.items()})

@@ -106,8 +106,8 @@ IMPORT_CASES = {
                          "config.json: Validation error for field 'vocab_size'"),
     "vocab_size_huge": (lambda f: _edit_config(f, vocab_size=20_000_000), "--max-gib"),
     "vocab_size_1e12": (lambda f: _edit_config(f, vocab_size=10**12), "--max-gib"),
-    "context_huge": (lambda f: _edit_config(f, max_position_embeddings=10**6), "--max-gib"),
-    "context_1e12": (lambda f: _edit_config(f, max_position_embeddings=10**12), "too large to build"),
+    "context_huge": (lambda f: _edit_config(f, max_position_embeddings=10**9), "--max-gib"),
+    "context_1e12": (lambda f: _edit_config(f, max_position_embeddings=10**12), "--max-gib"),
     "heads_zero": (lambda f: _edit_config(f, num_attention_heads=0), "config.json: integer modulo by zero"),
     "config_not_json": (lambda f: (f / "config.json").write_text("{not json"), "config.json: not valid JSON"),
     "config_a_list": (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json: a JSON list"),
@@ -205,7 +205,7 @@ def test_full_disk_during_encode_names_the_output(tmp_path, monkeypatch, capsys)
     before = _snapshot(tmp_path)
     monkeypatch.setattr(os, "fsync", _disk_full)
     assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(corpus), "--out",
-                 str(tmp_path / "corpus.tok"), "--workers", "1", "--quiet"]) == 1
+                 str(tmp_path / "corpus.tok"), "--workers", "1", "--quiet", "--no-eot"]) == 1
     assert f"{tmp_path / 'corpus.tok'}: No space left on device" in _one_line_error(capsys, "data")
     assert _snapshot(tmp_path) == before
 
@@ -259,7 +259,7 @@ def test_sigkilled_encode_takes_its_workers_along_and_the_next_run_removes_its_l
     Tokenizer({i: bytes([i]) for i in range(256)}, [], []).save(tmp_path / "tok")
     out = tmp_path / "corpus.tok"
     command = [sys.executable, "-m", "scratchlm.cli", "data", "encode", "--tokenizer", str(tmp_path / "tok"),
-               "--out", str(out), "--workers", "2", "--quiet", "--input", str(corpus)]
+               "--out", str(out), "--workers", "2", "--quiet", "--no-eot", "--input", str(corpus)]
     parent = subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": "1"})
     for _ in range(600):  # until both workers run and a part file exists
         workers = psutil.Process(parent.pid).children()
@@ -274,5 +274,5 @@ def test_sigkilled_encode_takes_its_workers_along_and_the_next_run_removes_its_l
     assert not alive, f"workers outlived their killed parent: {alive}"
     assert list(tmp_path.glob(".corpus.tok*"))  # the kill left parts behind (no clean-up runs on SIGKILL)
     assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "tok" /
-                 "tokenizer.json"), "--out", str(out), "--quiet"]) == 0
+                 "tokenizer.json"), "--out", str(out), "--quiet", "--no-eot"]) == 0
     assert not list(tmp_path.glob(".corpus.tok*")) and out.is_file()

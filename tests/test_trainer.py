@@ -106,7 +106,7 @@ def test_run_directory_outputs(finished_run: Path, data):
     assert lrs[:2] == [0.0, 3e-3 / 5] and lrs[5] == 3e-3 and lrs[11] == pytest.approx(3e-4 + 2.7e-3 * (1 + math.cos(
         math.pi * 6 / 7)) / 2)
     assert [r["step"] for r in evals] == [6, 12]
-    assert set(evals[0]) == {"kind", "step", "tokens", "wall_time", "val_loss", "val_ppl"}
+    assert set(evals[0]) == {"kind", "step", "tokens", "wall_time", "train_time", "val_loss", "val_ppl"}
     assert evals[1]["val_ppl"] == pytest.approx(math.exp(evals[1]["val_loss"]))
     assert ends == [{"kind": "end", "step": 12, "status": "finished", "message": ""}]
     assert (finished_run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

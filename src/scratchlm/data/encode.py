@@ -111,11 +111,11 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
         raise ValueError("a validation file needs --val-fraction or --val-docs, and they need a validation file")
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = Tokenizer.load(tokenizer)
+    sources = expand_inputs(inputs)  # a missing input is named before anything about the tokenizer
     if end_of_text and END_OF_TEXT not in tokenizer.special_tokens:
         raise ValueError(f"the tokenizer has no {END_OF_TEXT} special token to end documents with (its special "
                          f"tokens: {tokenizer.special_tokens}); train one with --special-token '{END_OF_TEXT}', or "
                          "pass --no-eot")
-    sources = expand_inputs(inputs)
     out = Path(out)
     total_bytes = sum(Path(source.path).stat().st_size for source in sources if source.format != "hf")
     _remove_orphaned_parts(_existing_parent(out), out.name)

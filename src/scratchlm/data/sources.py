@@ -142,9 +142,9 @@ def _text_blocks(source: Source, errors: str) -> Iterator[str]:
     position = 0
     with _open_binary(source) as handle:
         while True:
-            block = handle.read(READ_BLOCK)
-            pending = len(decoder.getstate()[0])
             try:
+                block = handle.read(READ_BLOCK)
+                pending = len(decoder.getstate()[0])
                 text = decoder.decode(block, final=not block)
             except UnicodeDecodeError as error:
                 offset = position - pending + error.start
