@@ -313,6 +313,24 @@ def test_a_diverged_run_stays_on_the_plot_up_to_its_divergence_step(runs):
     assert early.divergence[0] == 10 and math.isnan(early.divergence[1])
 
 
+def test_a_runs_own_curves_png_has_learning_rate_and_gradient_norm_panels(runs, tmp_path, monkeypatch):
+    from scratchlm.train.plots import plot_curves
+
+    records = read_metrics(runs[0] / "metrics.jsonl")
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)  # keep the figure plot_curves draws, to look at its axes
+    path = plot_curves(records, tmp_path / "curves.png", title="baseline")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    axes = {ax.get_ylabel(): ax for ax in closed[0].axes}
+    train = [r for r in records if r["kind"] == "train"]
+    for label, key in (("learning rate", "lr"), ("gradient norm", "grad_norm")):
+        (line,) = axes[label].lines
+        assert list(line.get_xdata()) == [r["step"] for r in train]
+        assert list(line.get_ydata()) == [r[key] for r in train]
+        assert axes[label].get_yscale() == "log"
+    plt.close(closed[0])
+
+
 def _chromium() -> str | None:
     return next((p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None)
 

@@ -134,7 +134,7 @@ def curves_figure(runs: list[RunRecord]) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     entries = min(len(runs), MAX_LEGEND_ENTRIES + 1)
     legend_height = LEGEND_ROW_HEIGHT * math.ceil(entries / LEGEND_COLUMNS) + LEGEND_PAD
@@ -149,6 +149,8 @@ def curves_figure(runs: list[RunRecord]) -> Any:
         draw(ax, panel, runs)
         if panel.x_key in ("step", "tokens"):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if panel.x_key == "tokens":
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M, not 1500000: long labels overlap
         ax.set(xlabel=panel.x_label, ylabel=panel.y_label, title=panel.title)
         ax.grid(True, alpha=0.3)
     _add_legend(fig)

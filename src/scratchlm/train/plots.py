@@ -1,4 +1,5 @@
-"""Learning curves as a PNG: loss against optimizer steps and against wall-clock time, train and validation.
+"""Learning curves as a PNG: loss against optimizer steps and against wall-clock time, train and validation,
+and below them the learning rate and the gradient norm (before clipping) against steps.
 
 Drawn from metrics.jsonl records alone (so any run directory can be re-plotted) with matplotlib's Agg backend
 (no display needed). The file is written to a temporary name and renamed, so a viewer never sees half a PNG.
@@ -15,7 +16,7 @@ CURVES_FILE = "curves.png"
 
 
 def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Write the two-panel learning-curve PNG for ``records`` (metrics.jsonl dicts) to ``path``."""
+    """Write the four-panel learning-curve PNG for ``records`` (metrics.jsonl dicts) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +24,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
 
     train = [r for r in records if r["kind"] == "train" and _finite(r["loss"])]
     evals = [r for r in records if r["kind"] == "eval" and _finite(r["val_loss"])]
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, ((by_step, by_time), (lr, grad_norm)) = plt.subplots(2, 2, figsize=(11, 7.5))
+    by_time.sharey(by_step)
     for axis, x_key, x_label in ((by_step, "step", "optimizer step"), (by_time, "wall_time", "wall-clock time (s)")):
         axis.plot([r[x_key] for r in train], [r["loss"] for r in train], label="train", linewidth=1)
         axis.plot([r[x_key] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation", markersize=3)
@@ -31,6 +33,14 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
         axis.grid(alpha=0.3)
     by_step.set_ylabel("cross-entropy loss (nats/token)")
     by_step.legend()
+    for axis, key, label in ((lr, "lr", "learning rate"), (grad_norm, "grad_norm", "gradient norm")):
+        points = [(r["step"], r[key]) for r in train if _finite(r.get(key))]
+        if points:
+            axis.plot(*zip(*points), linewidth=1)
+            if min(y for _, y in points) > 0:
+                axis.set_yscale("log")  # a diverging run's gradient norm grows by orders of magnitude
+        axis.set(xlabel="optimizer step", ylabel=label)
+        axis.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
