@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scratchlm.experiments.runs import RunRecord
+from scratchlm.train.plots import wants_log_scale
 
 LINE_STYLES, COLORS = ("-", "--", "-.", ":"), 10  # run i: color C(i % 10), then the next dash every ten runs
 # Past this many runs a line repeats an earlier run's color and dash, so a legend entry could not tell which it is;
@@ -116,15 +117,13 @@ def _draw_loss_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
 
 
 def _draw_dynamics_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
-    """Learning rate or gradient norm: on a log scale when every value is positive (a learning-rate sweep spans
-    decades; a diverging run's gradient norm grows by orders of magnitude)."""
+    """Learning rate or gradient norm, on a log scale when the values span a decade or more."""
     series = [_series(run.train, panel.x_key, panel.y_key) for run in runs]
     for index, (run, points) in enumerate(zip(runs, series)):
         if points:
             ax.plot(*zip(*points), **_style(index), linewidth=1.4, marker="o" if len(points) < 3 else None,
                     label=_label(run))
-    values = [y for points in series for _, y in points]
-    if values and min(values) > 0:
+    if wants_log_scale([y for points in series for _, y in points]):
         ax.set_yscale("log")
 
 

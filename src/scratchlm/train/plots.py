@@ -37,8 +37,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
         points = [(r["step"], r[key]) for r in train if _finite(r.get(key))]
         if points:
             axis.plot(*zip(*points), linewidth=1)
-            if min(y for _, y in points) > 0:
-                axis.set_yscale("log")  # a diverging run's gradient norm grows by orders of magnitude
+            if wants_log_scale([y for _, y in points]):
+                axis.set_yscale("log")
         axis.set(xlabel="optimizer step", ylabel=label)
         axis.grid(alpha=0.3)
     if title:
@@ -50,6 +50,12 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def wants_log_scale(values: list[float]) -> bool:
+    """A log y-axis for positive values spanning a decade or more (a learning-rate sweep, a diverging run's
+    gradient norm); a linear one otherwise, where log ticks would be unreadable (2x10^0, 2.1x10^0)."""
+    return bool(values) and min(values) > 0 and max(values) >= 10 * min(values)
 
 
 def _finite(value: Any) -> bool:
