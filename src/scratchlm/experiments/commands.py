@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 SWEEP_EPILOG = """examples:
@@ -66,17 +65,12 @@ REPORT_FILES = ("report.html", "report.md")
 
 def expand_run_dirs(paths: list[Path]) -> list[Path]:
     """Run directories as given, except that a sweep directory (with sweep.json) becomes its points' runs."""
-    from scratchlm.experiments.sweep import SUMMARY_FILE
+    from scratchlm.experiments.sweep import is_sweep_dir, read_summary
 
     expanded = []
     for path in paths:
-        summary = path / SUMMARY_FILE
-        if summary.is_file() and not (path / "metrics.jsonl").exists():
-            try:
-                points = json.loads(summary.read_text(encoding="utf-8"))["points"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise ValueError(f"{summary}: not a sweep summary ({error})") from None
-            expanded += [path / p["run_dir"] for p in points if p["status"] != "new"]
+        if is_sweep_dir(path):
+            expanded += [path / p["run_dir"] for p in read_summary(path)["points"] if p["status"] != "new"]
         else:
             expanded.append(path)
     return expanded
@@ -84,6 +78,7 @@ def expand_run_dirs(paths: list[Path]) -> list[Path]:
 
 def run_report_command(args: argparse.Namespace) -> int:
     from scratchlm.experiments.report import write_report
+    from scratchlm.experiments.sweep import is_sweep_dir
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     runs = expand_run_dirs(args.runs)
@@ -94,6 +89,7 @@ def run_report_command(args: argparse.Namespace) -> int:
     refuse_inputs(out, [*args.runs, *runs], inside_ok=True)
     refuse_foreign_folder(out, force=args.force, ours=REPORT_FILES)  # an earlier report is replaced
     with removed_on_failure(out):
-        html_path, md_path = write_report(runs, out_dir=out, baseline=args.baseline, title=args.title)
+        html_path, md_path = write_report(runs, out_dir=out, baseline=args.baseline, title=args.title,
+                                          sweeps=[path for path in args.runs if is_sweep_dir(path)])
     print(f"report: {html_path}\n        {md_path}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -25,6 +26,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 DONE_STATUSES = ("finished", "diverged")  # a sweep never reruns these
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
+# The end message of a diverged run, as train/step.py (DivergenceWatch.check) writes it: the first bad step and
+# its loss. The end record's own step is where the trainer noticed (the next log step), not where it diverged.
+_DIVERGED_AT = re.compile(r"diverged at step (\d+): loss=(\S+?),")
 
 
 @dataclass
@@ -82,6 +86,16 @@ class RunRecord:
         expected = min(int(self.config.get("train.log_every", 10)), int(self.config.get("train.eval_every", 100)),
                        self.steps)
         return min(steps) if min(steps) > expected else None
+
+    @property
+    def divergence(self) -> tuple[int, float] | None:
+        """(first bad step, its loss) of a diverged run, else None; (end step, nan) when its message lacks them."""
+        if self.status != "diverged":
+            return None
+        match = _DIVERGED_AT.search(str(self.end.get("message") or ""))
+        if match is None:
+            return int(self.end["step"]), math.nan
+        return int(match[1]), float(match[2])
 
     @property
     def wall_time(self) -> float:

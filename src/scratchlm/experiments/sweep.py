@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scratchlm.experiments.runs import CONFIG_FILE, DONE_STATUSES, flatten, load_run, run_status
+from scratchlm.experiments.runs import CONFIG_FILE, DONE_STATUSES, METRICS_FILE, flatten, load_run, run_status
 
 SUMMARY_FILE = "sweep.json"
 _SAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9.+-]")
@@ -168,6 +168,37 @@ def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
         handle.write("\n")
     os.replace(handle.name, path)
     return path
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """A sweep directory holds sweep.json and is not a run directory itself."""
+    return (path / SUMMARY_FILE).is_file() and not (path / METRICS_FILE).exists()
+
+
+def read_summary(sweep_dir: Path) -> dict[str, Any]:
+    """SWEEP/sweep.json as ``write_summary`` wrote it; anything else is an error naming the file."""
+    path = sweep_dir / SUMMARY_FILE
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        problem = _summary_problem(summary)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        problem = str(error)
+    if problem:
+        raise ValueError(f"{path}: not a sweep summary ({problem})")
+    return summary
+
+
+def _summary_problem(summary: Any) -> str | None:
+    """What a report needs of sweep.json and is missing (None when nothing is)."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("grid"), dict):
+        return "no 'grid' object"
+    if not isinstance(summary.get("points"), list):
+        return "no 'points' list"
+    for number, point in enumerate(summary["points"], start=1):
+        if not (isinstance(point, dict) and isinstance(point.get("run_dir"), str)
+                and isinstance(point.get("status"), str) and isinstance(point.get("overrides"), dict)):
+            return f"point {number} lacks a run_dir, status or overrides"
+    return None
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
