@@ -273,6 +273,7 @@ def test_sigkilled_encode_takes_its_workers_along_and_the_next_run_removes_its_l
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, f"workers outlived their killed parent: {alive}"
     assert list(tmp_path.glob(".corpus.tok*"))  # the kill left parts behind (no clean-up runs on SIGKILL)
-    assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "tok" /
-                 "tokenizer.json"), "--out", str(out), "--quiet", "--no-eot"]) == 0
+    (tmp_path / "small.txt").write_text("a small text\n")
+    assert main(["data", "encode", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "small.txt"),
+                 "--out", str(out), "--quiet", "--no-eot"]) == 0
     assert not list(tmp_path.glob(".corpus.tok*")) and out.is_file()
