@@ -22,9 +22,9 @@ from operator import itemgetter, not_
 
 import numpy as np
 
-from scratchlm.tokenizer.batch_merge import BatchMerger, run_starts, take_runs
-from scratchlm.tokenizer.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
-from scratchlm.tokenizer.merge import merge_ids
+from scratchlm.tokenizer.fast.batch_merge import BatchMerger, run_starts, take_runs
+from scratchlm.tokenizer.fast.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
+from scratchlm.tokenizer.fast.merge import merge_ids
 from scratchlm.tokenizer.pretokenize import (
     ends_in_whitespace,
     spaced_word_pieces,
