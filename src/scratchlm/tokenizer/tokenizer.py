@@ -7,7 +7,7 @@ What encode does, in order:
    (``bpe.bpe_merge``, ~10 lines; ``bpe.ReadableBPE`` runs steps 2 and 3 as written).
 
 Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=False``, or by default ``CachedBPE``
-from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, 20-50x faster on natural text).
+from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
 ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
 Serialization lives in ``io.py``; this module only knows vocab, merges and special tokens.
