@@ -167,7 +167,7 @@ def _bench_whole_command(inputs: list[str], tokenizer_dir: Path, rival_fields: d
     # keeps the CLI's start-up (which imports every stage) out of the measurement.
     ours = harness.python_command("from scratchlm.data.encode import encode_corpus\n"
                                   f"encode_corpus({str(tokenizer_dir)!r}, {inputs!r}, {str(workdir / 'ours.tok')!r}, "
-                                  "workers=2)")
+                                  "workers=2, end_of_text=False)")  # the rival adds no <|endoftext|> either
     rival = harness.python_command(TIKTOKEN_SCRIPT.format(inputs=inputs, **rival_fields))
     results = harness.interleave_commands({OURS_COMMAND: ours, RIVAL_COMMAND: rival},
                                           repeats=1 if quick else 5)

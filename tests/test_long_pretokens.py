@@ -15,17 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from scratchlm.tokenizer import Tokenizer, long_merge
-from scratchlm.tokenizer.batch_merge import BatchMerger
-from scratchlm.tokenizer.long_merge import LongPieceMerger, _is_monotone
+from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.fast import long_merge
+from scratchlm.tokenizer.fast.batch_merge import BatchMerger
+from scratchlm.tokenizer.fast.long_merge import LongPieceMerger, _is_monotone
+from scratchlm.tokenizer.fast.merge import merge_by_scan
 from scratchlm.tokenizer.long_words import LongWords
-from scratchlm.tokenizer.merge import merge_by_scan
 from scratchlm.tokenizer.reference import reference_encode, reference_train_from_counts
 from scratchlm.tokenizer.train_bpe import train_bpe_from_counts
 from test_tokenizer import _random_merge_table
 
 LONG_TRAIN = "scratchlm.tokenizer.train_bpe.LONG_WORD_MIN_BYTES"
-LONG_ENCODE = "scratchlm.tokenizer.cached_bpe.LONG_PIECE_MIN_BYTES"
+LONG_ENCODE = "scratchlm.tokenizer.fast.cached_bpe.LONG_PIECE_MIN_BYTES"
 
 
 def _letters(alphabet: str, size: int, seed: int) -> str:

@@ -19,9 +19,10 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from conftest import require_shared
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.batch_merge import BatchMerger
-from scratchlm.tokenizer.long_merge import _is_monotone
-from scratchlm.tokenizer.merge import merge_by_scan, merge_table, merge_with_heap
+from scratchlm.tokenizer.bpe import merge_table
+from scratchlm.tokenizer.fast.batch_merge import BatchMerger
+from scratchlm.tokenizer.fast.long_merge import _is_monotone
+from scratchlm.tokenizer.fast.merge import merge_by_scan, merge_with_heap
 from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, last_space_boundary, pretokens, split_pretokens
 from scratchlm.tokenizer.reference import reference_encode
 
@@ -44,6 +45,11 @@ def gpt2() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tik() -> tiktoken.Encoding:
+    return gpt2_tiktoken()
+
+
+def gpt2_tiktoken() -> tiktoken.Encoding:
+    """tiktoken's GPT-2 encoding built offline from the fixture files (the oracle)."""
     decoder = _gpt2_byte_decoder()
     encoder = json.loads(require_shared("fixtures/gpt2_vocab.json").read_text(encoding="utf-8"))
     ranks = {bytes(decoder[c] for c in token): rank for token, rank in encoder.items() if token != EOT}
@@ -229,7 +235,7 @@ BASE64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 def test_long_pieces_encode_like_tiktoken_with_gpt2_merges(gpt2, tik, text):
     """Pieces from LONG_PIECE_MIN_BYTES (made tiny here) go through ``long_merge.py``'s rank rounds."""
     assert _is_monotone(merge_table(gpt2.merges, gpt2._bytes_to_id))
-    with mock.patch("scratchlm.tokenizer.cached_bpe.LONG_PIECE_MIN_BYTES", 2):
+    with mock.patch("scratchlm.tokenizer.fast.cached_bpe.LONG_PIECE_MIN_BYTES", 2):
         gpt2.clear_cache()
         assert gpt2.encode(text) == tik.encode_ordinary(text)
         assert gpt2.encode(" " + text) == tik.encode_ordinary(" " + text)  # a long word after a space

@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from scratchlm.tokenizer.long_merge import compact_in_place, leftmost_non_overlapping
+from scratchlm.tokenizer.fast.long_merge import compact_in_place, leftmost_non_overlapping
 
 _LOW_MASK = (1 << 32) - 1
 _CHUNK = 1 << 22  # pairs counted at a time (bounds the temporaries)

@@ -2,7 +2,9 @@
 
 Nothing here is clever. The trainer reads the whole text, recounts every adjacent pair of every pre-token
 after each merge, picks the most frequent pair (ties: the lexicographically greater pair of byte strings) and
-rewrites every pre-token. The encoder applies the merges to each pre-token in rank order, minbpe style.
+rewrites every pre-token. The encoder applies each merge in rank order to every occurrence at once, minbpe style:
+a second spelling of the rule that ``bpe.py`` (the Tokenizer's readable path) applies one merge at a time; the
+two agree on merges learned by training, where no merge comes before the merges that make its inputs.
 Tokens are byte strings throughout, so two merges that produce the same bytes are the same token.
 
 Use them only on small inputs: training costs O(merges x corpus).

@@ -1,15 +1,17 @@
-"""Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the encoder's hot path.
+"""Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the fast ``PieceEncoder``.
+
+It gives the ids of ``bpe.ReadableBPE`` (the GPT-2 regex, then ``bpe.bpe_merge`` per pre-token), faster:
 
 - Text is cut with ``str.split(" ")`` into words, and the hot loop is one dict lookup per word in a bounded
   *word -> ids cache* plus a ``list.extend``: a space after a non-whitespace character always starts a new
   GPT-2 pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). Cache misses and
   whitespace runs go through the GPT-2 regex and a bounded *pre-token -> ids cache*. Natural text repeats a few
   thousand words, so most lookups hit, and the regex (15-20 MB/s alone) runs on a fraction of the text.
-- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``): repeatedly merge the adjacent
-  pair with the lowest merge rank (leftmost first on ties), exactly GPT-2's and tiktoken's rule. Many new words
-  at once (a cold cache: the first megabytes of a corpus) are learned together (``learn_words``), their
-  distinct pre-tokens merged at once by ``batch_merge.py``. A pre-token of a megabyte or more (a line of DNA or
-  base64) is merged by ``long_merge.py`` in bounded memory, its ids yielded a chunk at a time and never cached.
+- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``: ``bpe.bpe_merge``'s rule with a
+  C-level scan, or a heap for long pieces). Many new words at once (a cold cache: the first megabytes of a
+  corpus) are learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``.
+  A pre-token of a megabyte or more (a line of DNA or base64) is merged by ``long_merge.py`` in bounded memory,
+  its ids yielded a chunk at a time and never cached.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from operator import itemgetter, not_
 
 import numpy as np
 
-from scratchlm.tokenizer.batch_merge import BatchMerger, run_starts, take_runs
-from scratchlm.tokenizer.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
-from scratchlm.tokenizer.merge import merge_ids
+from scratchlm.tokenizer.fast.batch_merge import BatchMerger, run_starts, take_runs
+from scratchlm.tokenizer.fast.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
+from scratchlm.tokenizer.fast.merge import merge_ids
 from scratchlm.tokenizer.pretokenize import (
     ends_in_whitespace,
     spaced_word_pieces,

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from scratchlm.tokenizer.batch_merge import NO_RANK, BatchMerger
+from scratchlm.tokenizer.fast.batch_merge import NO_RANK, BatchMerger
 
 # Pieces of at least this many bytes are merged here; shorter ones by ``merge_with_heap`` (faster, ~200 B a byte).
 LONG_PIECE_MIN_BYTES = 1 << 20

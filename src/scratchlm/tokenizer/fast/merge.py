@@ -1,9 +1,9 @@
-"""Rank-based BPE of one pre-token: merge the adjacent pair with the lowest merge rank, leftmost first on ties.
+"""Rank-based BPE of one pre-token, faster than ``bpe.bpe_merge`` (the readable rule) and equal to it.
 
-That is GPT-2's and tiktoken's encoding rule. ``merge_table`` turns (vocab, merges) into the lookup both merge
-loops use: ``(left id, right id) -> (rank, merged id)``. Short pieces (nearly all pre-tokens are a few bytes) use
-``merge_by_scan``; long ones (``"x" * 100_000``) ``merge_with_heap``, which keeps the cost O(n log n) instead of
-O(n^2). ``batch_merge.py`` applies the same rule to many pieces at once with numpy.
+The rule: merge the adjacent pair with the lowest merge rank, leftmost first on ties (GPT-2's and tiktoken's).
+Both loops here read ``bpe.merge_table``'s ``(left id, right id) -> (rank, merged id)``. Short pieces (nearly all
+pre-tokens are a few bytes) use ``merge_by_scan``; long ones (``"x" * 100_000``) ``merge_with_heap``, which keeps
+the cost O(n log n) instead of O(n^2). ``batch_merge.py`` applies the same rule to many pieces at once with numpy.
 """
 
 from __future__ import annotations
@@ -21,22 +21,6 @@ def merge_ids(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> 
     if len(ids) >= HEAP_MERGE_MIN_BYTES:
         return merge_with_heap(ids, ranks)
     return merge_by_scan(ids, ranks)
-
-
-def merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int]) -> dict[tuple[int, int], tuple]:
-    """(left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank."""
-    lookup = bytes_to_id.get
-    lefts = list(map(lookup, [left for left, _ in merges]))
-    rights = list(map(lookup, [right for _, right in merges]))
-    results = list(map(lookup, [left + right for left, right in merges]))
-    if None in lefts or None in rights or None in results:
-        rank = next(r for r, ids in enumerate(zip(lefts, rights, results)) if None in ids)
-        left, right = merges[rank]
-        missing = next(t for t in (left, right, left + right) if t not in bytes_to_id)
-        raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, which is not in the vocab")
-    # Built from the last merge to the first, so a repeated pair ends up with its first (lowest) rank.
-    pairs = zip(lefts[::-1], rights[::-1])
-    return dict(zip(pairs, zip(range(len(merges) - 1, -1, -1), results[::-1])))
 
 
 def merge_by_scan(ids: list[int], ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
