@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from scratchlm.optim.adamw import AdamW, adamw_group_step, validate_adamw
-from scratchlm.optim.muon import Muon, muon_group_step, require_matrices, validate_muon
+from scratchlm.optim.muon import Muon, muon_group_step, refuse_last_group_unless_matrices, validate_muon
 
 
 def constructor_defaults(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -57,11 +57,7 @@ class MuonAdamW(torch.optim.Optimizer):
         validate(param_group)
         super().add_param_group(param_group)  # turns (name, param) pairs into params + param_names
         if algorithm == "muon":
-            try:
-                require_matrices(self.param_groups[-1], len(self.param_groups) - 1)
-            except ValueError:
-                self.param_groups.pop()  # a refused group leaves no trace
-                raise
+            refuse_last_group_unless_matrices(self)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer

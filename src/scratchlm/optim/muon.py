@@ -60,6 +60,16 @@ def validate_muon(group: dict[str, Any]) -> None:
         raise ValueError(f"Muon: unknown adjust_lr_fn {group['adjust_lr_fn']!r} (one of {ADJUST_LR_FNS})")
 
 
+def refuse_last_group_unless_matrices(optimizer: torch.optim.Optimizer) -> None:
+    """``require_matrices`` on the group just added (its params are known only once torch has added it); a
+    refused group is removed again, leaving no trace."""
+    try:
+        require_matrices(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
+    except ValueError:
+        optimizer.param_groups.pop()
+        raise
+
+
 def require_matrices(group: dict[str, Any], group_index: int) -> None:
     """Refuses a group holding a parameter that is not a 2-D matrix, naming it (by name where the group has
     ``param_names``, i.e. params were given as ``(name, param)`` pairs, else by position)."""
@@ -139,11 +149,7 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         validate_muon({**self.defaults, **param_group})
         super().add_param_group(param_group)  # turns (name, param) pairs into params + param_names
-        try:
-            require_matrices(self.param_groups[-1], len(self.param_groups) - 1)
-        except ValueError:
-            self.param_groups.pop()  # a refused group leaves no trace
-            raise
+        refuse_last_group_unless_matrices(self)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
