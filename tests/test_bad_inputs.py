@@ -81,7 +81,7 @@ def snapshot(root: Path) -> dict[str, str]:
     return found
 
 
-def refused(world: Path, tmp_path: Path, capsys, argv: list[str], message: str, *, hold_lock: str | None = None):
+def check_refused(world: Path, tmp_path: Path, capsys, argv: list[str], message: str, *, hold_lock: str | None = None):
     """Run ``argv`` in a copy of the world and check the one-line refusal and that nothing changed."""
     root = tmp_path / "w"
     shutil.copytree(world, root, symlinks=True)
@@ -118,7 +118,7 @@ def refused(world: Path, tmp_path: Path, capsys, argv: list[str], message: str, 
     (["--input", "{T}/missing.txt", "--out", "{T}/new.tok"], "missing.txt does not exist"),
 ])
 def test_data_encode(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["data", "encode", "--tokenizer", "{T}/tokA", "--quiet", *argv], message)
+    check_refused(world, tmp_path, capsys, ["data", "encode", "--tokenizer", "{T}/tokA", "--quiet", *argv], message)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -130,7 +130,7 @@ def test_data_encode(world, tmp_path, capsys, argv, message):
 ])
 def test_tokenizer_train(world, tmp_path, capsys, argv, message):
     vocab = [] if "--vocab-size" in argv else ["--vocab-size", "270"]
-    refused(world, tmp_path, capsys, ["tokenizer", "train", "--quiet", *vocab, *argv], message)
+    check_refused(world, tmp_path, capsys, ["tokenizer", "train", "--quiet", *vocab, *argv], message)
 
 
 DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/val.tok"]
@@ -160,7 +160,7 @@ DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/va
 ])
 def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]
-    refused(world, tmp_path, capsys, ["train", *config, "--quiet", *argv], message, hold_lock=hold_lock)
+    check_refused(world, tmp_path, capsys, ["train", *config, "--quiet", *argv], message, hold_lock=hold_lock)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -170,7 +170,7 @@ def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     (["--checkpoint", "{T}/run", "--num-samples", "0"], "--num-samples must be at least 1"),
 ])
 def test_generate(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["generate", "--prompt", "the cat", "--max-new-tokens", "3", *argv], message)
+    check_refused(world, tmp_path, capsys, ["generate", "--prompt", "the cat", "--max-new-tokens", "3", *argv], message)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -179,7 +179,7 @@ def test_generate(world, tmp_path, capsys, argv, message):
     (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),
 ])
 def test_eval(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)
+    check_refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -189,7 +189,7 @@ def test_eval(world, tmp_path, capsys, argv, message):
     (["--out", "{T}/new/hf", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
 ])
 def test_export_hf(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["export", "hf", "--checkpoint", "{T}/run", *argv], message)
+    check_refused(world, tmp_path, capsys, ["export", "hf", "--checkpoint", "{T}/run", *argv], message)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -199,7 +199,7 @@ def test_export_hf(world, tmp_path, capsys, argv, message):
     (["--model", "{T}/tokA", "--out", "{T}/new/run"], "{T}/tokA is not a Hugging Face model folder"),
 ])
 def test_import_hf(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["import", "hf", *argv], message)
+    check_refused(world, tmp_path, capsys, ["import", "hf", *argv], message)
 
 
 SWEEP = ["sweep", "--config", "{T}/tiny.toml", "--grid", "optim.lr=1e-3,2e-3", *TINY_RUN, *DATA]
@@ -212,7 +212,7 @@ SWEEP = ["sweep", "--config", "{T}/tiny.toml", "--grid", "optim.lr=1e-3,2e-3", *
     (["--out", "{T}/sweep", "--shard", "1/2"], "run directory {T}/sweep/lr-2e-3 is in use by pid", "sweep/lr-2e-3"),
 ])
 def test_sweep(world, tmp_path, capsys, argv, message, hold_lock):
-    refused(world, tmp_path, capsys, [*SWEEP, *argv], message, hold_lock=hold_lock)
+    check_refused(world, tmp_path, capsys, [*SWEEP, *argv], message, hold_lock=hold_lock)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -222,4 +222,4 @@ def test_sweep(world, tmp_path, capsys, argv, message, hold_lock):
     (["{T}/missing"], "{T}/missing"),
 ])
 def test_report(world, tmp_path, capsys, argv, message):
-    refused(world, tmp_path, capsys, ["report", *argv], message)
+    check_refused(world, tmp_path, capsys, ["report", *argv], message)

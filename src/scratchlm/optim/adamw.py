@@ -47,6 +47,14 @@ def validate_adamw(group: dict[str, Any]) -> None:
         raise ValueError(f"AdamW: invalid weight_decay {weight_decay!r} (must be >= 0)")
 
 
+def closure_loss(closure) -> torch.Tensor | None:  # noqa: ANN001 - torch.optim's closure contract
+    """The loss of ``optimizer.step(closure)``'s closure, evaluated with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay and bias correction; ``foreach=None`` picks the multi-tensor path."""
 
@@ -64,10 +72,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             adamw_group_step(self.state, group, self._denominators)
         return loss

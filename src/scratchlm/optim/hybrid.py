@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from scratchlm.optim.adamw import AdamW, adamw_group_step, validate_adamw
+from scratchlm.optim.adamw import AdamW, adamw_group_step, closure_loss, validate_adamw
 from scratchlm.optim.muon import Muon, muon_group_step, refuse_last_group_unless_matrices, validate_muon
 
 
@@ -61,10 +61,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["algorithm"] == "muon":
                 muon_group_step(self.state, group)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scratchlm.optim.adamw import closure_loss
+
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MAX_NS_STEPS = 100  # torch's bound: more steps buy nothing and cost a matrix product each
 MAX_BATCH_ELEMENTS = 2**24  # the multi-tensor path's batches: 64 MB of fp32 (all of a tinystories-17m bucket)
@@ -153,10 +155,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - signature fixed by torch.optim.Optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             muon_group_step(self.state, group)
         return loss
