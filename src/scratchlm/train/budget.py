@@ -61,7 +61,7 @@ class BudgetPlan:
                 f"of the training data)")
 
 
-def measure_step_seconds(config: RunConfig, steps: int = 2) -> float:
+def measure_step_seconds(config: RunConfig, steps: int = 5) -> float:
     """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`."""
     from scratchlm.data.batches import BatchSampler
     from scratchlm.train.setup import build_model, build_optimizer, open_data, select_device
