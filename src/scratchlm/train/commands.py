@@ -131,6 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from scratchlm.config import load_config
     from scratchlm.data.token_file import open_token_file
     from scratchlm.errors import UserError
+    from scratchlm.train.allocator import keep_freed_memory
     from scratchlm.train.budget import PLANNED_SHARE, choose_threads, parse_duration
     from scratchlm.train.trainer import model_step_flops
 
@@ -143,6 +144,7 @@ def run_plan(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"data.train_path={args.data}", "data.val_path=", "data.tokenizer=none"]
     overrides += [f"model.vocab_size={data.vocab_size}"] + ([f"train.device={args.device}"] if args.device else [])
     config = load_config(args.config, overrides)
+    keep_freed_memory()  # as `train` does on a CPU (allocator.py), so the probe measures the speed train gets
     threads, step_seconds = choose_threads(config)
     model = config.model
     step_flops = model_step_flops(config)
