@@ -2,7 +2,9 @@
 # A plain `pip install scratchlm` works: build the wheel, install it with NO extras into a fresh virtualenv (no
 # system site-packages), and run tokenizer train -> data encode -> train -> generate -> eval on a tiny text.
 # Also checks that a missing extra is one line naming it (export hf without [hf]) and that training without
-# matplotlib warns once and writes no curves.png.
+# matplotlib warns once and writes no curves.png. Then, with the [hf,tracking] extras: a folder of JSONL files ->
+# tokenizer -> train/validation token files -> a run with TensorBoard, moved to another folder (its tokenizer
+# deleted), generating and exporting from there, the export loaded by AutoModelForCausalLM / AutoTokenizer.
 #
 # torch is installed first exactly as scripts/setup_venv.sh does it (SCRATCHLM_TORCH, SCRATCHLM_TORCH_INDEX_URL),
 # so on this project's machines it is the local CPU wheel. Everything happens in a temporary folder (removed at
@@ -78,4 +80,39 @@ if "$SCRATCHLM" export hf --checkpoint run --out hf 2>export.err; then fail "exp
 [ "$(wc -l <export.err)" = 1 ] && grep -q "pip install 'scratchlm\[hf\]'" export.err \
     || { cat export.err >&2; fail "export hf without [hf]: want one line naming the extra"; }
 cat export.err
+
+stage "with [hf,tracking]: a folder of JSONL -> a trained run, moved, generating, exported, loaded by transformers"
+"$VENV_PY" -m pip install "${PIP[@]}" "$WHEEL[hf,tracking]"
+mkdir docs
+for part in 1 2 3; do
+    for i in $(seq 1 150); do
+        echo "{\"id\": $i, \"text\": \"Story $part.$i: the small fox found $((i % 7)) red apples.\\nThen it slept.\"}"
+    done >"docs/part-$part.jsonl"
+done
+"$SCRATCHLM" tokenizer train --input docs --text-field text --vocab-size 300 --out tok2 --quiet
+"$SCRATCHLM" data encode --tokenizer tok2 --input docs --text-field text --val-fraction 0.1 --out docs.tok --quiet
+"$SCRATCHLM" train --config tiny.toml --set data.tokenizer=tok2 --set data.train_path=docs.tok \
+    --set data.val_path=docs.val.tok --set train.run_dir=run2 --set train.tensorboard=true --quiet 2>/dev/null
+mkdir elsewhere && mv run2 elsewhere/run2 && rm -rf tok2  # the run carries its tokenizer and relative paths
+"$SCRATCHLM" generate --checkpoint elsewhere/run2 --prompt "Story" --max-new-tokens 8 --seed 0 >generated2.txt
+[ -s generated2.txt ] || fail "generate from a moved run printed nothing"
+"$SCRATCHLM" export hf --checkpoint elsewhere/run2 --out hf2
+"$VENV_PY" - <<'PY' || fail "transformers could not load the export, or TensorBoard has no loss"
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scratchlm.tokenizer import Tokenizer
+
+model = AutoModelForCausalLM.from_pretrained("hf2").eval()
+hf_ids = AutoTokenizer.from_pretrained("hf2")("Story 1.2: the small fox")["input_ids"]
+ours = Tokenizer.load("elsewhere/run2/tokenizer").encode("Story 1.2: the small fox")
+assert hf_ids == ours, (hf_ids, ours)
+with torch.no_grad():
+    assert torch.isfinite(model(torch.tensor([ours])).logits).all()
+events = EventAccumulator("elsewhere/run2/tensorboard")
+events.Reload()
+assert any("loss" in tag for tag in events.Tags()["scalars"]), events.Tags()
+print("check_wheel: transformers loads the export (ids equal ours); TensorBoard holds", events.Tags()["scalars"])
+PY
 stage "OK"
