@@ -199,7 +199,7 @@ def serve(tmp_path: Path, monkeypatch) -> Iterator[FakeHub]:
     for name, value in patches.items():
         monkeypatch.setattr(constants, name, value)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield hub

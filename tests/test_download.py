@@ -107,13 +107,22 @@ def test_offline_rerun_is_served_from_the_cache(hub, tmp_path, monkeypatch):
     assert download_tinystories(tmp_path / "again")[1].read_bytes() == VALID
 
 
+def _small_blocks(monkeypatch) -> None:
+    """huggingface_hub writes what arrives in 10 MB blocks and resumes after the last whole block it wrote; blocks
+    of 256 bytes let a small file show it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 256)
+
+
 def test_transfer_cut_short_is_resumed_with_a_range_request(hub, tmp_path, monkeypatch):
     _no_backoff(monkeypatch)
-    hub.cut_next_get_after = 1000
+    _small_blocks(monkeypatch)
+    hub.cut_next_get_after = 4 * 256
     out = tmp_path / "out"
     download_tinystories(out, files=FILES[:1])
     assert (out / FILES[0]).read_bytes() == TRAIN
-    assert hub.gets() == [(_resolve(FILES[0]), None), (_resolve(FILES[0]), "bytes=1000-")]
+    assert hub.gets() == [(_resolve(FILES[0]), None), (_resolve(FILES[0]), "bytes=1024-")]
 
 
 def test_a_present_file_with_the_same_bytes_is_kept(hub, tmp_path):
@@ -221,10 +230,11 @@ def test_url_with_the_wrong_sha256_leaves_nothing(hub, tmp_path):
 
 def test_url_cut_short_is_resumed(hub, tmp_path, monkeypatch):
     _no_backoff(monkeypatch)
+    _small_blocks(monkeypatch)
     hub.plain["train.txt"] = TRAIN
-    hub.cut_next_get_after = 500
+    hub.cut_next_get_after = 2 * 256
     assert download_url(f"{hub.url}/plain/train.txt", tmp_path / "out").read_bytes() == TRAIN
-    assert hub.gets() == [("/plain/train.txt", None), ("/plain/train.txt", "bytes=500-")]
+    assert hub.gets() == [("/plain/train.txt", None), ("/plain/train.txt", "bytes=512-")]
 
 
 def test_url_errors_are_one_line(hub, tmp_path, monkeypatch):

@@ -162,7 +162,7 @@ def register_download(data_subparsers) -> None:
     parser.add_argument("source", metavar="tinystories|hf:OWNER/NAME/PATH|URL",
                         help="`tinystories`, a Hub file such as "
                              "hf:roneneldan/TinyStories/TinyStoriesV2-GPT4-valid.txt, or the http(s) URL of one file")
-    parser.add_argument("--out", type=Path,
+    parser.add_argument("--out", type=Path, metavar="DIR",
                         help=f"folder (default: {DEFAULT_OUT_DIR} for tinystories, else the current folder)")
     parser.add_argument("--repo-type", choices=REPO_TYPES, default="dataset",
                         help="kind of Hub repository of an hf: file (default: dataset)")
