@@ -34,7 +34,7 @@ TORCH_INDEX=()
 [ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
 "$VENV_PY" -m pip install "${PIP[@]}" "${TORCH_INDEX[@]}" "${SCRATCHLM_TORCH:-torch==2.13.0}"
 "$VENV_PY" -m pip install "${PIP[@]}" "$WHEEL"
-for extra_only in matplotlib transformers tokenizers tensorboard wandb psutil; do
+for extra_only in matplotlib transformers tokenizers huggingface_hub tensorboard wandb psutil; do
     if "$VENV_PY" -c "import $extra_only" 2>/dev/null; then fail "$extra_only came with a plain install"; fi
 done
 

@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--out", required=True, type=Path, help="output folder")
     hf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
     hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
+    hf.add_argument("--push-to-hub", metavar="OWNER/NAME",
+                    help="then upload the folder to this Hugging Face model repository, created when missing (token: "
+                         "HF_TOKEN or `hf auth login`; needs the [hub] extra)")
+    hf.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     hf.set_defaults(func=run_export_hf)
 
     imp = subparsers.add_parser("import", help="import a checkpoint from another format",
@@ -54,13 +58,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------------------------------------------- export
 
 def run_export_hf(args: argparse.Namespace) -> int:
+    from scratchlm.errors import UserError
     from scratchlm.extras import require
+    from scratchlm.hub import push_folder, require_hub
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
     from scratchlm.train.checkpoint import load_for_inference
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
 
     for package in HF_PACKAGES:  # checked first: one line naming the extra, not a traceback halfway through
         require(package, "hf", "scratchlm export hf")
+    if args.private and not args.push_to_hub:
+        raise UserError("--private is for --push-to-hub (the visibility of the repository it creates)")
+    if args.push_to_hub:
+        require_hub("scratchlm export hf --push-to-hub")
 
     refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
     refuse_foreign_folder(args.out, force=args.force)
@@ -69,6 +79,8 @@ def run_export_hf(args: argparse.Namespace) -> int:
     with removed_on_failure(args.out):
         export_hf(model, tokenizer, args.out)
     print(f"wrote {args.out}/: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
+    if args.push_to_hub:  # after the export, which stays on disk if the upload fails
+        print(f"pushed {args.out}/ to {push_folder(args.out, args.push_to_hub, private=args.private)}")
     return 0
 
 
