@@ -76,7 +76,8 @@ def world(tmp_path_factory) -> dict:
     project, data = root / "project", root / "project" / "data"
     data.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "away", "home", "dog", "big", "red", "sun"]
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "away", "home", "dog", "big", "red", "sun",
+             "little", "garden", "happy", "friend", "played", "jumped", "under", "tree", "butterfly", "yesterday"]
     stories = [" ".join(rng.choice(words, size=int(rng.integers(8, 30)))) + "." for _ in range(700)]
     text = EOT.join(stories)
     (data / "corpus.txt").write_text(text, encoding="utf-8")
@@ -248,7 +249,7 @@ def test_a_model_shape_without_a_vocab_size_is_a_clear_error_outside_train(tmp_p
     shape.write_text("[model]\nd_model = 64\nnum_layers = 2\nnum_heads = 4\n")
     assert main(["accounting", "--config", str(shape)]) == 1
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "model.vocab_size is not set; give it with --set model.vocab_size=N" in error
+    assert error.count("\n") == 1 and "model.vocab_size is not set (only train takes it from a tokenizer)" in error
 
 
 def test_a_finished_sweep_with_a_tokenizer_reruns_without_refusal(world, tmp_path):

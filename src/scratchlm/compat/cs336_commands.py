@@ -161,5 +161,6 @@ def shape_run_config(config_path: Path | None, preset: str | None, overrides: li
         apply_overrides(values, overrides)
         config = RunConfig.from_dict(values)
     if config.model.vocab_size is None:  # only train knows the tokenizer it would take the size from
-        raise UserError(f"{who}: model.vocab_size is not set; give it with --set model.vocab_size=N")
+        raise UserError("model.vocab_size is not set (only train takes it from a tokenizer): give it with --set "
+                        "model.vocab_size=N")
     return config
