@@ -139,7 +139,7 @@ def test_a_saved_config_holds_paths_relative_to_its_run_and_moves_with_it(base: 
                                 f"data.val_path={tmp_path / 'elsewhere' / 'valid.tok'}"])
     config.save_toml(run / "config.toml")
     text = (run / "config.toml").read_text()
-    assert "run_dir" not in text  # the run directory is the folder the file is in
+    assert "run_dir =" not in text  # the run directory is the folder the file is in
     for line in ('tokenizer = "tokenizer"', 'train_path = "../../../data/train.bin"',
                  'val_path = "../../../elsewhere/valid.tok"'):
         assert f"\n{line}\n" in text
