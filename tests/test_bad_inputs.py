@@ -157,6 +157,11 @@ DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/va
      "cannot resume {T}/run: it was planned without a budget, this asks for 300.0 s", None),
     (["--run-dir", "{T}/run", "--resume", "--set", "optim.lr=5e-3"],
      "the optimizer settings changed (saved -> asked: optim.lr 0.003 -> 0.005)", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--set", "data.tokenizer={T}/tokA", "--set", "model.vocab_size=200"],
+     "model.vocab_size 200 is smaller than the 256 ids of tokenizer {T}/tokA: set it to at least 256", None),
+    (["--run-dir", "{T}/run", "--resume", "--set", "data.train_path={T}/moved/train.tok"],  # a run moved alone
+     "data.train_path: token file {T}/moved/train.tok does not exist (to train on, a moved or copied run needs "
+     "--set data.train_path=FILE)", None),
 ])
 def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,10 +124,38 @@ def test_missing_file_and_extends_cycle(tmp_path: Path):
 
 
 def test_save_toml_round_trip(base: Path, tmp_path: Path):
-    config = load_config(base, ["optim.lr=0.1234567890123", "data.tokenizer=tok dir/\"q\""])
-    config.save_toml(tmp_path / "resolved.toml")
-    assert load_config(tmp_path / "resolved.toml") == config
+    run = tmp_path / "run"
+    run.mkdir()
+    config = load_config(base, ["optim.lr=0.1234567890123", "data.tokenizer=tok dir/\"q\"", f"train.run_dir={run}"])
+    config.save_toml(run / "config.toml")
+    assert load_config(run / "config.toml") == config
     assert RunConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_saved_config_holds_paths_relative_to_its_run_and_moves_with_it(base: Path, tmp_path: Path):
+    run = tmp_path / "project" / "runs" / "a"
+    run.mkdir(parents=True)
+    config = load_config(base, [f"data.tokenizer={run / 'tokenizer'}", f"train.run_dir={run}",
+                                f"data.val_path={tmp_path / 'elsewhere' / 'valid.tok'}"])
+    config.save_toml(run / "config.toml")
+    text = (run / "config.toml").read_text()
+    assert "run_dir =" not in text  # the run directory is the folder the file is in
+    for line in ('tokenizer = "tokenizer"', 'train_path = "../../../data/train.bin"',
+                 'val_path = "../../../elsewhere/valid.tok"'):
+        assert f"\n{line}\n" in text
+    (tmp_path / "deeper").mkdir()
+    shutil.move(tmp_path / "project", tmp_path / "deeper" / "moved")
+    moved = tmp_path / "deeper" / "moved" / "runs" / "a"
+    loaded = load_config(moved / "config.toml")
+    assert loaded.train.run_dir == str(moved) and loaded.data.tokenizer == str(moved / "tokenizer")
+    # A token file keeps its place relative to the run: one that did not move along is given anew to train on.
+    assert loaded.data.train_path == str(tmp_path / "deeper" / "data" / "train.bin")
+    assert (loaded.model, loaded.optim, loaded.train.max_steps) == (config.model, config.optim, config.train.max_steps)
+
+
+def test_a_users_config_keeps_its_run_dir_relative_to_the_working_directory(tmp_path: Path):
+    user = write(tmp_path / "user.toml", '[model]\npreset = "tiny"\n[train]\nrun_dir = "runs/x"\n')
+    assert load_config(user).train.run_dir == "runs/x"
 
 
 def test_with_overrides(base: Path):

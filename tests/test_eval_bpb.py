@@ -77,7 +77,7 @@ def test_eval_bits_per_byte_matches_an_independent_count(run, capsys):
 def test_eval_without_a_known_tokenizer_reports_loss_and_says_why(run, capsys, tmp_path):
     moved = tmp_path / "run"
     shutil.copytree(run["run"], moved)
-    shutil.rmtree(moved / "tokenizer")  # no run copy; data.tokenizer still names the original: hide it too
+    shutil.rmtree(moved / "tokenizer")  # no run copy (which data.tokenizer names); the original hidden too
     original = run["tokenizer"].rename(run["tokenizer"].with_name("tok-away"))
     try:
         out, err = eval_line({**run, "run": moved}, capsys)

@@ -25,6 +25,7 @@ import torch
 from scratchlm.cli import main as cli_main
 from scratchlm.config import RunConfig, load_config
 from scratchlm.data.token_file import write_token_file
+from scratchlm.errors import UserError
 from scratchlm.model import TransformerLM
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.metrics import MetricsLogger, truncate_records
@@ -262,7 +263,7 @@ def test_cli_train_runs_and_refuses_to_overwrite(data, tmp_path: Path):
 
 @pytest.mark.parametrize(("problem", "message"), [
     ("short", "holds 20 tokens, fewer than model.context_length + 1 = 33"),
-    ("vocab", "vocab"),
+    ("vocab", "model.vocab_size 256 is smaller than the 300 ids of the tokenizer of data.train_path"),
     ("unset", "data.train_path is not set"),
     ("missing", "nope.tok"),
 ])
@@ -275,7 +276,7 @@ def test_bad_token_files_are_clear_errors(data, tmp_path: Path, problem: str, me
     else:
         path = "" if problem == "unset" else tmp_path / "nope.tok"
     config = tiny_config(data, tmp_path / "run", f"data.train_path={path}")
-    with pytest.raises((ValueError, FileNotFoundError)) as info:
+    with pytest.raises((ValueError, FileNotFoundError, UserError)) as info:
         train(config, quiet=True)
     assert message in str(info.value)
 

@@ -5,13 +5,17 @@ Configs flow one way: TOML file(s) -> plain dict -> dotted ``--set`` overrides -
 name a preset (``preset = "tinystories-17m"``), so presets and ablations are small diffs. Unknown keys and wrong
 types are errors that list the valid keys / the expected type. Data paths written in a TOML file are relative
 to that file's folder; paths given with ``--set`` and ``train.run_dir`` are relative to the working directory.
-The resolved config is written back with ``save_toml`` (a tiny writer: the format is four flat tables).
+The resolved config is written back with ``save_toml`` (a tiny writer: the format is four flat tables) into the
+run directory, as the run stores every config (``run_relative``): its paths relative to the run directory and no
+``train.run_dir``, which is the folder the file is in. A run can then be moved or copied as a whole.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import os
 import re
 import sys
 import types
@@ -202,17 +206,52 @@ class RunConfig:
         return RunConfig.from_dict(values)
 
     def save_toml(self, path: str | Path) -> None:
-        Path(path).write_text(RESOLVED_HEADER + to_toml(self.to_dict()), encoding="utf-8")
+        """Write this config as a run's config.toml: ``run_relative`` to the file's folder, the run directory."""
+        path = Path(path)
+        text = RESOLVED_HEADER + RUN_RELATIVE_NOTE + to_toml(run_relative(self.to_dict(), path.parent))
+        path.write_text(text, encoding="utf-8")
 
 
 # First line of every config.toml that train writes: a file without it is the user's, never to be overwritten.
 RESOLVED_HEADER = "# resolved config written by scratchlm (every setting; edits are kept only in your own file)\n"
+RUN_RELATIVE_NOTE = "# paths are relative to this folder, the run directory (train.run_dir)\n"
 
 
 def is_resolved_config(path: str | Path) -> bool:
     """Was ``path`` written by ``save_toml`` (so a run may rewrite it)?"""
     with open(path, encoding="utf-8", errors="replace") as handle:
         return handle.readline() == RESOLVED_HEADER
+
+
+def run_relative(values: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    """A config dict as a run stores it (RUN/config.toml, every checkpoint's config.json): each path relative to the
+    run directory, and no train.run_dir (the run directory is wherever the file is found).
+
+    Why: nothing in a run then names the place it was trained in, so a run that is copied or moved (to another
+    machine, into another project) still evaluates, generates, exports and resumes. Its tokenizer is its own copy
+    (``tokenizer``); a token file keeps its place relative to the run (``../../data/train.tok``) and is needed
+    only to train on.
+    """
+    stored = copy.deepcopy(values)
+    stored.get("train", {}).pop("run_dir", None)
+    folder = Path(run_dir).resolve()
+    for section, keys in PATH_KEYS.items():
+        table = stored.get(section, {})
+        for key in keys:
+            if table.get(key):
+                table[key] = os.path.relpath(Path(table[key]).resolve(), folder)
+    return stored
+
+
+def located_at(values: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    """The inverse of ``run_relative`` for a run found at ``run_dir``: its paths resolved against it, and train.run_dir
+    set to it. (A config a run saved before runs were relative keeps the absolute paths and run_dir it names.)"""
+    located = copy.deepcopy(values)
+    _resolve_paths(located, Path(run_dir))
+    train = located.setdefault("train", {})
+    if isinstance(train, dict):
+        train.setdefault("run_dir", str(Path(run_dir).resolve()))
+    return located
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -234,11 +273,15 @@ def read_toml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ValueError(f"config {path} is a folder, not a TOML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
     try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))
+        values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path}: invalid TOML: {error}") from None
-    _resolve_paths(values, path.parent)
+    if text.startswith(RESOLVED_HEADER):  # a run's own config.toml: relative to the run, wherever it is now
+        values = located_at(values, path.parent)
+    else:
+        _resolve_paths(values, path.parent)
     parent = values.pop("extends", None)
     if parent is None:
         return values

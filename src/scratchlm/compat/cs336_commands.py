@@ -155,7 +155,12 @@ def shape_run_config(config_path: Path | None, preset: str | None, overrides: li
     if preset is not None:
         overrides = [f"model.preset={preset}", *overrides]  # a preset replaces the file's [model] (config.py)
     if config_path is not None:
-        return load_config(config_path, overrides)
-    values: dict = {}
-    apply_overrides(values, overrides)
-    return RunConfig.from_dict(values)
+        config = load_config(config_path, overrides)
+    else:
+        values: dict = {}
+        apply_overrides(values, overrides)
+        config = RunConfig.from_dict(values)
+    if config.model.vocab_size is None:  # only train knows the tokenizer it would take the size from
+        raise UserError("model.vocab_size is not set (only train takes it from a tokenizer): give it with --set "
+                        "model.vocab_size=N")
+    return config

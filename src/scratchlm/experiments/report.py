@@ -24,8 +24,10 @@ from scratchlm.experiments.curves import plot_curves, png_bytes
 from scratchlm.experiments.runs import RunRecord, load_run
 
 # Keys that differ between any two runs by construction (where each run writes), never an experimental change.
-# data.tokenizer_hash: recorded by train (a resolved sweep point has none yet); data.tokenizer shows a change.
-IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name", "data.tokenizer_hash"})
+# data.tokenizer_hash: recorded by train (a resolved sweep point has none yet); data.tokenizer: a run's config
+# names its own copy (RUN/tokenizer), a resolved sweep point the original (train checks that their hashes agree).
+IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name", "data.tokenizer_hash",
+                               "data.tokenizer"})
 MISSING = "(unset)"
 
 

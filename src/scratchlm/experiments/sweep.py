@@ -107,16 +107,19 @@ def sweep_points(axes: list[Axis]) -> list[SweepPoint]:
 
 
 def point_config(spec: SweepSpec, point: SweepPoint) -> Any:
-    """The validated RunConfig of one point: base file, then --set, then the grid values, then its run_dir."""
+    """The validated RunConfig of one point: base file, then --set, then the grid values, then its run_dir; a
+    model.vocab_size left out is the tokenizer's, as train sets it (so a rerun compares it with the saved one)."""
     from scratchlm.config import load_config
+    from scratchlm.errors import UserError
+    from scratchlm.train.tokenizer_identity import bind_vocab_size
 
     chosen = [*spec.overrides, *point.override_strings()]
     if any(item.partition("=")[0].strip() == "train.run_dir" for item in chosen):
         raise ValueError("a sweep names each point's train.run_dir itself (SWEEP/POINT): choose SWEEP with --out")
     overrides = [*chosen, f"train.run_dir={spec.out_dir / point.name}"]
     try:
-        return load_config(spec.base_config, overrides)
-    except ValueError as error:
+        return bind_vocab_size(load_config(spec.base_config, overrides))
+    except (ValueError, UserError) as error:
         raise ValueError(f"sweep point {point.name}: {error}") from None
 
 

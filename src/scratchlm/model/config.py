@@ -2,7 +2,8 @@
 
 The config is the single source of truth for a model: the trainer saves it beside every checkpoint, and
 `TransformerLM(config)` rebuilds the same model from it. Ablations are switches here, never forks of the
-model code.
+model code. Two fields may be derived: ``d_ff`` from the FFN kind, and ``vocab_size``, which a training config
+may leave out: train sets it to the tokenizer's vocabulary size (rounded up to ``pad_vocab_to``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
 def swiglu_hidden_size(d_model: int, multiple_of: int = 64) -> int:
     """≈ 8/3 · d_model rounded up to a multiple of 64: keeps SwiGLU's 3 matrices at the 2-matrix FFN's cost."""
-    target = 8 * d_model / 3
-    return int(-(-target // multiple_of) * multiple_of)
+    return round_up(math.ceil(8 * d_model / 3), multiple_of)
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 10_000
+    vocab_size: int | None = None  # None: the tokenizer's, filled in by train (train/tokenizer_identity.py)
+    pad_vocab_to: int = 1  # vocab_size is rounded up to a multiple of this (64: faster GPU matmuls); 1: as is
     context_length: int = 256
     d_model: int = 512
     num_layers: int = 4
@@ -49,8 +55,11 @@ class ModelConfig:
     logit_softcap: float = 0.0  # logits -> cap · tanh(logits / cap); 0: no cap
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+        for name in ("pad_vocab_to", "context_length", "d_model", "num_layers", "num_heads"):
             self._check_positive_int(name)
+        if self.vocab_size is not None:
+            self._check_positive_int("vocab_size")
+            self.vocab_size = round_up(self.vocab_size, self.pad_vocab_to)
         if self.d_model % self.num_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
         if self.position == "rope" and self.head_dim % 2:

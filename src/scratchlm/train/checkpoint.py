@@ -10,7 +10,7 @@ Trainer form (``CheckpointManager``), one directory per step, no pickle anywhere
       model.safetensors      weights of the unwrapped module; tied tensors stored once (aliases in metadata)
       optimizer.safetensors  every tensor of the optimizer state, keyed "{param index}.{name}"
       optimizer.json         the rest of the optimizer state: param_groups and non-tensor per-param values
-      config.json            the resolved RunConfig as a dict
+      config.json            the resolved RunConfig as a dict, its paths relative to RUN (config.run_relative)
       rng.json               python, numpy, torch (and cuda) RNG states
       trainer.json           step, val_loss, sampler state, the trainer's extra running values
       meta.json              format_version, scratchlm version, step, val_loss, sha256 + size of every file
@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import scratchlm
+from scratchlm.config import located_at, run_relative
 from scratchlm.errors import UserError
 from scratchlm.train import run_lock
 from scratchlm.train.checkpoint_state import (
@@ -245,7 +246,7 @@ class CheckpointManager:
         optimizer_tensors, optimizer_rest = optimizer_parts(optimizer)
         _save_tensors(temp / "optimizer.safetensors", optimizer_tensors)
         _write_json(temp / "optimizer.json", optimizer_rest)
-        _write_json(temp / "config.json", config)
+        _write_json(temp / "config.json", run_relative(config, self.run_dir))  # the run may be moved
         _write_json(temp / "rng.json", capture_rng_state())
         _write_json(temp / "trainer.json", {"step": step, "val_loss": val_loss, "sampler_state": sampler_state,
                                             "extra": extra})
@@ -346,7 +347,7 @@ class CheckpointManager:
                     from error
         restore_rng_state(_read_json(path / "rng.json"))
         trainer = _read_json(path / "trainer.json")
-        return {"step": trainer["step"], "config": _read_json(path / "config.json"),
+        return {"step": trainer["step"], "config": located_at(_read_json(path / "config.json"), self.run_dir),
                 "sampler_state": trainer["sampler_state"], "extra": trainer["extra"],
                 "val_loss": trainer["val_loss"], "path": path}
 
@@ -397,7 +398,7 @@ def _load_for_inference(path: Path, device: str | torch.device):
         path = found
     elif (problem := verify(path)) is not None:
         raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
-    config = RunConfig.from_dict(_read_json(path / "config.json"))
+    config = RunConfig.from_dict(located_at(_read_json(path / "config.json"), run_dir_of(path)))
     model = TransformerLM(config.model, device=device)
     load_model_state(model, read_model_tensors(path / "model.safetensors"), where=str(path))
     return model.eval(), config

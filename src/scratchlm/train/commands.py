@@ -18,6 +18,7 @@ TRAIN_EPILOG = """examples:
   scratchlm train --config configs/tiny.toml --set data.train_path=train.tok --set data.val_path=valid.tok
   scratchlm train --config configs/tinystories-cpu.toml --set optim.lr=3e-3 --run-dir runs/lr3e-3
   scratchlm train --run-dir runs/lr3e-3 --resume          # continue from the newest valid checkpoint
+  scratchlm train --run-dir moved/run --resume --set data.train_path=t.tok --set data.val_path=v.tok  # moved run
   scratchlm train --config configs/recipes/modern.toml --budget 25m   # the best model 25 minutes buy here
 exit status: 0 finished, 1 diverged or bad input, 130 interrupted (a checkpoint was saved)."""
 

@@ -86,7 +86,11 @@ def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | N
 
     if not path:
         raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
-    tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+    try:
+        tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+    except FileNotFoundError as error:  # a run moved without its data: say how to give the data's new place
+        raise FileNotFoundError(f"{key}: {error} (to train on, a moved or copied run needs --set {key}=FILE)") \
+            from None
     needed = config.model.context_length + 1
     if len(tokens) < needed:
         raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "

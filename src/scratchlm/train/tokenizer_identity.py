@@ -1,11 +1,15 @@
-"""Which tokenizer a run belongs to: its hash in the run's config (so in every checkpoint's config.json) and a
-copy of the tokenizer in RUN/tokenizer/.
+"""Which tokenizer a run belongs to: its hash in the run's config (so in every checkpoint's config.json), a copy
+of the tokenizer in RUN/tokenizer/, and a model vocabulary that holds every one of its ids.
 
 Why: a model's ids mean nothing without the exact tokenizer, and a path is no identity: the folder it names can
 be retrained, and any tokenizer of the same size loads without error and decodes garbage. So ``train`` records
 ``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
-and keeps its own copy of the tokenizer; ``generate``, ``eval``, ``export hf`` and ``--resume`` compare whatever
-they are given with that hash and refuse a mismatch, naming both.
+and keeps its own copy of the tokenizer, which data.tokenizer in the run's config then names: the run needs
+nothing outside its folder to decode, and can be moved. ``generate``, ``eval``, ``export hf`` and ``--resume``
+compare whatever they are given with that hash and refuse a mismatch, naming both.
+
+The vocabulary: model.vocab_size left out (None) is the tokenizer's vocabulary size, rounded up to a multiple of
+model.pad_vocab_to; one that is set must hold every id of the tokenizer (a larger one is padding no token uses).
 """
 
 from __future__ import annotations
@@ -58,20 +62,54 @@ def check_same_tokenizer(saved: str | None, current: str | None, where: str) -> 
                         f"tokenizer {short(current)}: resume with the original tokenizer and token files")
 
 
-def keep_tokenizer_copy(config: RunConfig, run_dir: Path) -> None:
-    """Save data.tokenizer as RUN/tokenizer/ (unless that copy already is this tokenizer)."""
+def keep_tokenizer_copy(config: RunConfig, run_dir: Path) -> RunConfig:
+    """Save data.tokenizer as RUN/tokenizer/ (unless that copy already is this tokenizer); return ``config`` with
+    data.tokenizer naming the copy, so the run's config.toml and checkpoints point inside the run."""
     if not config.data.tokenizer:
-        return
+        return config
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
     copy = run_dir / RUN_TOKENIZER_DIR
-    if copy.resolve() == Path(config.data.tokenizer).resolve():
-        return
-    if copy.is_dir():
-        if Tokenizer.load(copy).hash == config.data.tokenizer_hash:
-            return
-        shutil.rmtree(copy)  # a copy from an earlier attempt that never checkpointed (the run lock is held)
-    Tokenizer.load(config.data.tokenizer).save(copy)
+    if copy.resolve() != Path(config.data.tokenizer).resolve():
+        if copy.is_dir() and Tokenizer.load(copy).hash != config.data.tokenizer_hash:
+            shutil.rmtree(copy)  # a copy from an earlier attempt that never checkpointed (the run lock is held)
+        if not copy.is_dir():
+            Tokenizer.load(config.data.tokenizer).save(copy)
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(copy)))
+
+
+def bind_vocab_size(config: RunConfig) -> RunConfig:
+    """``config`` with model.vocab_size set to the tokenizer's when left out, or checked to hold all its ids.
+
+    The tokenizer's size is that of data.tokenizer, else the one data.train_path's header records (the size of
+    the tokenizer that encoded it)."""
+    found, model = _tokenizer_vocab_size(config), config.model
+    if found is None:
+        if model.vocab_size is None:
+            raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
+                            "tokenizer to take it from")
+        return config
+    size, source = found
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=size)  # rounded up to model.pad_vocab_to on construction
+    elif model.vocab_size < size:
+        raise UserError(f"model.vocab_size {model.vocab_size} is smaller than the {size} ids of {source}: set it to "
+                        f"at least {size}, or to none to take the tokenizer's")
+    return dataclasses.replace(config, model=model)
+
+
+def _tokenizer_vocab_size(config: RunConfig) -> tuple[int, str] | None:
+    """(vocabulary size, where it comes from) of the run's tokenizer; None when the config names none."""
+    data = config.data
+    if data.tokenizer:
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        return Tokenizer.load(data.tokenizer).vocab_size, f"tokenizer {data.tokenizer}"
+    if data.train_path:
+        from scratchlm.data.token_file import open_token_file
+
+        return open_token_file(data.train_path).vocab_size, f"the tokenizer of data.train_path {data.train_path}"
+    return None
 
 
 def tokenizer_for_run(checkpoint: Path, config: RunConfig, given: Path | None):

@@ -13,6 +13,9 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 - Resume is exact: the checkpoint holds model, optimizer, RNG and sampler state plus the loop's own running
   values (the partial loss window, wall time, best validation loss), and metrics.jsonl is cut back to the
   checkpoint's step, so a resumed run's losses are bitwise those of an uninterrupted run (CPU).
+- A run directory is self-contained: its tokenizer is a copy in RUN/tokenizer, and config.toml and the
+  checkpoints' config.json hold paths relative to the run (config.run_relative). A moved or copied run resumes
+  where it is; only the token files must be given anew (--set data.train_path=...) if they did not move with it.
 - SIGINT/SIGTERM set a flag; the loop finishes the current step, saves a checkpoint and returns "interrupted".
 - A time budget (train.budget_seconds) is planned before the run from a measured step (budget.py); the loop
   still stops at the budget, through the same path as the last step (final evaluation, checkpoint), if the
@@ -58,7 +61,12 @@ from scratchlm.train.setup import (
     wrap_model,
 )
 from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
-from scratchlm.train.tokenizer_identity import bind_tokenizer, check_same_tokenizer, keep_tokenizer_copy
+from scratchlm.train.tokenizer_identity import (
+    bind_tokenizer,
+    bind_vocab_size,
+    check_same_tokenizer,
+    keep_tokenizer_copy,
+)
 
 CONFIG_FILE = "config.toml"
 # What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
@@ -155,6 +163,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         keep_freed_memory()  # allocator.py: ~20% of a CPU step is page faults otherwise
     if is_main_process:
         prepare_run_dir(run_dir, resume)
+    config = bind_vocab_size(config)  # model.vocab_size: the tokenizer's unless set (tokenizer_identity.py)
     config = _planned(config, run_dir, resume, quiet or not is_main_process)
     default_threads = torch.get_num_threads()
     if config.train.threads is not None:
@@ -209,8 +218,8 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
         state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
-        keep_tokenizer_copy(config, run_dir)
-        config.save_toml(run_dir / CONFIG_FILE)
+        config = keep_tokenizer_copy(config, run_dir)  # data.tokenizer names RUN/tokenizer from here on
+        config.save_toml(run_dir / CONFIG_FILE)  # its paths relative to the run: the run can be moved
     model = wrap(raw_model, config)
     # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
     optimizer = distributed.optimizer_for(model, optimizer, lambda: build_optimizer(raw_model, config))
