@@ -260,3 +260,10 @@ def test_a_finished_sweep_with_a_tokenizer_reruns_without_refusal(world, tmp_pat
              "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--set", "data.batch_size=2", "--quiet"]
     cli(*sweep)
     assert "already finished, skipped" in cli(*sweep)
+
+
+def test_a_model_without_vocab_size_is_a_named_error():
+    from scratchlm.model import ModelConfig, TransformerLM
+
+    with pytest.raises(ValueError, match="model.vocab_size is not set"):
+        TransformerLM(ModelConfig.preset("tiny", vocab_size=None))

@@ -96,6 +96,8 @@ class TransformerLM(nn.Module):
 
     def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
+        if config.vocab_size is None:  # a training config may leave it to the tokenizer; a model cannot
+            raise ValueError("model.vocab_size is not set: give it, or let `scratchlm train` take the tokenizer's")
         self.config = config
         theta = config.rope_theta if config.position == "rope" else None
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
