@@ -5,7 +5,10 @@ Why: a model's ids mean nothing without the exact tokenizer, and a path is no id
 be retrained, and any tokenizer of the same size loads without error and decodes garbage. So ``train`` records
 ``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
 and keeps its own copy of the tokenizer; ``generate``, ``eval``, ``export hf`` and ``--resume`` compare whatever
-they are given with that hash and refuse a mismatch, naming both.
+they are given with that hash and refuse a mismatch, naming both. The hash is of the tokenizer's content (vocab,
+merges, special tokens), never of a file: a run recorded with a tokenizer folder of the older layout (scratchlm's
+format under the name tokenizer.json) accepts the same tokenizer read from ``scratchlm-tokenizer.json`` or from
+Hugging Face's ``tokenizer.json``, and the other way round.
 """
 
 from __future__ import annotations
