@@ -145,8 +145,12 @@ def test_hf_files_alone_load_as_the_same_tokenizer(ours, saved, tmp_path):
 
 
 def test_a_tokenizer_hf_cannot_hold_gets_no_hf_file(tmp_path):
-    """A special spelled like another token's GPT-2 string would share its entry in HF's vocab: refused."""
+    """A special spelled like another token's GPT-2 string would share its entry in HF's vocab; a special that is
+    also an ordinary token made by a merge would be looked up by its GPT-2 spelling: both refused."""
     vocab = {i: bytes([i]) for i in range(256)} | {256: b" x"}
+    also_merged = Tokenizer(vocab, [(b" ", b"x")], [" x"])  # the special is id 256, which " " + "x" makes
+    with pytest.raises(FormatCannotHold, match="special token ' x': merge #0 uses or makes its bytes"):
+        write_hf_tokenizer(tmp_path, also_merged.vocab, also_merged.merges, also_merged.special_tokens)
     tokenizer = Tokenizer(vocab, [(b" ", b"x")], ["\u0120x"])  # "Ġx": how HF spells the bytes " x"
     with pytest.raises(FormatCannotHold, match="ids 256 and 257: both are spelled 'Ġx'"):
         write_hf_tokenizer(tmp_path, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)

@@ -60,6 +60,7 @@ def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_to
 def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str]) -> dict:
     """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included)."""
     special_ids = _special_ids(vocab, special_tokens)
+    _check_no_merge_spells_a_special(vocab, merges, special_ids)
     return {
         "version": "1.0",
         "truncation": None,
@@ -94,6 +95,22 @@ def _special_ids(vocab: Vocab, special_tokens: list[str]) -> dict[str, int]:
     if missing is not None:
         raise ValueError(f"special token {missing!r} is not in the vocab")
     return {token: ids[token.encode("utf-8")] for token in special_tokens}
+
+
+def _check_no_merge_spells_a_special(vocab: Vocab, merges: Merges, special_ids: dict[str, int]) -> None:
+    """HF finds a merge's parts and result in the vocab by their GPT-2 spelling; a special token sits there under
+    its own text. Where the two differ (" the" is spelled "Ġthe"), a merge that uses or makes the special's bytes
+    (as when the special is also an ordinary token) would find nothing."""
+    respelled = {vocab[token_id]: token for token, token_id in special_ids.items()
+                 if token != to_gpt2_string(vocab[token_id])}
+    if not respelled:
+        return
+    for rank, (left, right) in enumerate(merges):
+        clash = next((part for part in (left, right, left + right) if part in respelled), None)
+        if clash is not None:
+            raise FormatCannotHold(f"Hugging Face's tokenizer.json cannot hold special token {respelled[clash]!r}: "
+                                   f"merge #{rank} uses or makes its bytes, which HF looks up as "
+                                   f"{to_gpt2_string(clash)!r}")
 
 
 def _hf_vocab(vocab: Vocab, special_ids: dict[str, int]) -> dict[str, int]:
