@@ -40,7 +40,7 @@ def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sa
     story = (out / "sample.txt").read_text()
     assert story.startswith("Once upon a time") and len(story) > len("Once upon a time") + 20
     assert story.strip() in printed
-    for artifact in ("tokenizer/tokenizer.json", "data/train.tok", "data/valid.tok", "run/config.toml",
+    for artifact in ("tokenizer/scratchlm-tokenizer.json", "data/train.tok", "data/valid.tok", "run/config.toml",
                      "run/curves.png", "run/report/report.html", "run/report/report.md"):
         assert (out / artifact).is_file(), artifact
         assert str(out / artifact.split("/")[0]) in printed

@@ -12,6 +12,7 @@ from scratchlm.cli import main
 from scratchlm.compat.commands import read_hf_tokenizer, write_run
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, write_hf_tokenizer
 from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.train.checkpoint import load_for_inference
 
@@ -87,14 +88,16 @@ def test_auto_tokenizer_ids_equal_ours(tmp_path, trained_tokenizer):
         ours = trained_tokenizer.encode(text)
         assert hf(text, add_special_tokens=False)["input_ids"] == ours, text
         assert hf.decode(ours) == trained_tokenizer.decode(ours)
+    saved = trained_tokenizer.save(tmp_path / "saved")  # one writer: save and export write the same files
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (saved / name).read_bytes()
 
 
 def test_gpt2_tokenizer_export_equals_ours(tmp_path, gpt2_files):
     vocab_path, merges_path = gpt2_files
     tokenizer = Tokenizer.from_files(vocab_path, merges_path, ["<|endoftext|>"])
-    from scratchlm.compat.commands import hf_tokenizer
-
-    hf_tokenizer(tokenizer).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf").mkdir()
+    write_hf_tokenizer(tmp_path / "hf", tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     for text in TEXTS:
         assert hf(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text), text
@@ -184,9 +187,17 @@ def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_tokenizer_without_bytelevel_bpe_is_skipped(tmp_path):
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}, "pre_tokenizer": None}))
-    assert read_hf_tokenizer(tmp_path) is None
+def test_tokenizer_without_bytelevel_bpe_is_left_out_saying_why(tmp_path, trained_tokenizer, capsys):
+    assert read_hf_tokenizer(tmp_path) is None  # no tokenizer.json at all
+    folder = _exported(tmp_path, trained_tokenizer)
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}, "pre_tokenizer": None}))
+    with pytest.raises(UnsupportedHFTokenizer, match="model 'WordPiece'"):
+        read_hf_tokenizer(folder)
+    capsys.readouterr()
+    assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run2")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer left out" in out and "model 'WordPiece'" in out and "pass --tokenizer to generate" in out
+    assert not (tmp_path / "run2" / "tokenizer").exists()
 
 
 def test_exported_config_gives_rope_theta_to_transformers_4_and_5(tmp_path):

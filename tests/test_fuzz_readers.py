@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from scratchlm.data.token_file import open_token_file, write_token_file
 from scratchlm.errors import UserError
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.io import read_gpt2_files, write_tokenizer_dir
+from scratchlm.tokenizer.folder import write_tokenizer_dir
+from scratchlm.tokenizer.io import read_gpt2_files
 
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CLEAR_ERRORS = (ValueError, UserError)
@@ -31,7 +32,8 @@ def _seed_tokenizer() -> Tokenizer:
 
 with tempfile.TemporaryDirectory() as _folder:  # the seed files every mutation starts from, read once
     write_tokenizer_dir(_folder, *(lambda t: (t.vocab, t.merges, t.special_tokens))(_seed_tokenizer()))
-    SEEDS = {name: (Path(_folder) / name).read_bytes() for name in ("tokenizer.json", "vocab.json", "merges.txt")}
+    SEEDS = {name: (Path(_folder) / name).read_bytes()
+             for name in ("scratchlm-tokenizer.json", "tokenizer.json", "vocab.json", "merges.txt")}
     write_token_file(Path(_folder) / "seed.tok", np.arange(40) % 300, vocab_size=300)
     SEEDS["seed.tok"] = (Path(_folder) / "seed.tok").read_bytes()
 
@@ -62,14 +64,24 @@ def _must_be_clear(error: Exception, path: Path) -> None:
 
 
 @FUZZ
+@given(data=mutated(SEEDS["scratchlm-tokenizer.json"]))
+def test_tokenizer_load_of_a_mutated_scratchlm_file(tmp_path_factory, data):
+    _load_mutated(tmp_path_factory, "scratchlm-tokenizer.json", data)
+
+
+@FUZZ
 @given(data=mutated(SEEDS["tokenizer.json"]))
-def test_tokenizer_load_of_a_mutated_tokenizer_json(tmp_path_factory, data):
+def test_tokenizer_load_of_a_mutated_hugging_face_tokenizer_json(tmp_path_factory, data):
+    _load_mutated(tmp_path_factory, "tokenizer.json", data)
+
+
+def _load_mutated(tmp_path_factory, name: str, data: bytes) -> None:
     folder = tmp_path_factory.mktemp("tok")
-    (folder / "tokenizer.json").write_bytes(data)
+    (folder / name).write_bytes(data)
     try:
         tokenizer = Tokenizer.load(folder)
     except Exception as error:  # noqa: BLE001 the point: which exceptions escape
-        _must_be_clear(error, folder / "tokenizer.json")
+        _must_be_clear(error, folder / name)
         return
     assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"  # what loads, works
 

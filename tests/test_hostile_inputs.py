@@ -193,7 +193,7 @@ def test_full_disk_during_tokenizer_save_names_the_file_and_leaves_no_folder(tmp
     assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "270", "--out",
                  str(tmp_path / "new" / "tok"), "--quiet"]) == 1
     err = _one_line_error(capsys, "tokenizer")
-    assert f"{tmp_path / 'new' / 'tok' / 'tokenizer.json'}: No space left on device (writing " in err, err
+    assert f"{tmp_path / 'new' / 'tok' / 'scratchlm-tokenizer.json'}: No space left on device (writing " in err, err
     assert "bytes free on that filesystem" in err
     assert _snapshot(tmp_path) == before and not (tmp_path / "new").exists()
 

@@ -367,10 +367,12 @@ def test_save_load_round_trips_both_formats(gpt2, tmp_path):
     assert (loaded.vocab, loaded.merges, loaded.special_tokens) == (tokenizer.vocab, tokenizer.merges,
                                                                        tokenizer.special_tokens)
     assert loaded.hash == tokenizer.hash
-    from_scratchlm = Tokenizer.from_files(tmp_path / "tokenizer.json")
-    assert from_scratchlm.hash == tokenizer.hash
+    for name in ("scratchlm-tokenizer.json", "tokenizer.json"):  # ours, and Hugging Face's
+        assert Tokenizer.from_files(tmp_path / name).hash == tokenizer.hash
     from_gpt2 = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt", [EOT, "<|pad|>"])
     assert from_gpt2.hash == tokenizer.hash
+    (tmp_path / "scratchlm-tokenizer.json").unlink()
+    assert Tokenizer.load(tmp_path).hash == tokenizer.hash  # Hugging Face's tokenizer.json next
     (tmp_path / "tokenizer.json").unlink()
     assert Tokenizer.load(tmp_path).vocab == tokenizer.vocab  # GPT-2 files alone; no special-token list
 
@@ -380,11 +382,11 @@ def test_version_1_tokenizer_files_still_load(tmp_path):
     merges = [(b"a", b"b"), (b"ab", b"c"), (b"\x00", b"\xff")]
     version_1 = {"format_version": 1, "vocab": {str(i): token.hex() for i, token in vocab.items()},
                  "merges": [[left.hex(), right.hex()] for left, right in merges], "special_tokens": [EOT]}
-    (tmp_path / "tokenizer.json").write_text(json.dumps(version_1), encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(version_1), encoding="utf-8")  # the name it had then
     loaded = Tokenizer.load(tmp_path)
     assert (loaded.vocab, loaded.merges, loaded.special_tokens) == ({**vocab, 301: EOT.encode()}, merges, [EOT])
     loaded.save(tmp_path)  # rewritten as version 2, with null for the unused ids 258..299
-    assert json.loads((tmp_path / "tokenizer.json").read_text())["vocab"][258:300] == [None] * 42
+    assert json.loads((tmp_path / "scratchlm-tokenizer.json").read_text())["vocab"][258:300] == [None] * 42
     assert Tokenizer.load(tmp_path).hash == loaded.hash
 
 
@@ -394,7 +396,6 @@ def test_gpt2_format_round_trips_every_byte(tmp_path):
     for left, right in merges:
         vocab[len(vocab)] = left + right
     Tokenizer(vocab, merges, ["<|end of text|>"]).save(tmp_path)
-    (tmp_path / "tokenizer.json").unlink()
     loaded = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
     assert loaded.vocab == {**vocab, 259: b"<|end of text|>"}
     assert loaded.merges == merges
@@ -406,24 +407,30 @@ def test_hash_depends_on_special_tokens(gpt2):
     assert Tokenizer(gpt2.vocab, gpt2.merges, []).hash != gpt2.hash
 
 
+SCRATCHLM_FILE = "scratchlm-tokenizer.json"
+
+
 @pytest.mark.parametrize("name, content, message", [
-    ("tokenizer.json", '{"format_version": 99, "vocab": {}, "merges": [], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 99, "vocab": {}, "merges": [], "special_tokens": []}',
      "unsupported tokenizer format_version 99"),
-    ("tokenizer.json", '{"format_version": 1,\n "vocab": {"0": "zz"}, "merges": [], "special_tokens": []}',
+    ("tokenizer.json", '{"format_version": 99, "vocab": {}, "merges": [], "special_tokens": []}',
+     "tokenizer.json: unsupported tokenizer format_version 99"),  # ours, under the name it had before
+    (SCRATCHLM_FILE, '{"format_version": 1,\n "vocab": {"0": "zz"}, "merges": [], "special_tokens": []}',
      "vocab entry '0'"),
+    (SCRATCHLM_FILE, '{"format_version": 1,\n "vocab": {\n', "scratchlm-tokenizer.json:3: malformed JSON"),
     ("tokenizer.json", '{"format_version": 1,\n "vocab": {\n', "tokenizer.json:3: malformed JSON"),
-    ("tokenizer.json", '{"format_version": 1, "vocab": {}, "merges": [["00"]], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 1, "vocab": {}, "merges": [["00"]], "special_tokens": []}',
      "merge #0"),
-    ("tokenizer.json", '[1, 2]', "expected a JSON object"),
-    ("tokenizer.json", '{"format_version": 2, "vocab": {}, "merges": [], "special_tokens": []}',
+    (SCRATCHLM_FILE, '[1, 2]', "expected a JSON object"),
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": {}, "merges": [], "special_tokens": []}',
      "key 'vocab' is missing or not a JSON list"),
-    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "zz"], "merges": [], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61", "zz"], "merges": [], "special_tokens": []}',
      "vocab entry for id 1: 'zz'"),
-    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1, 0], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1, 0], "special_tokens": []}',
      "two ids per merge, got an odd count"),
-    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", null], "merges": [0, 0, 0, 1], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61", null], "merges": [0, 0, 0, 1], "special_tokens": []}',
      r"merge #1 \[0, 1\] is not a pair of ids in the vocab"),
-    ("tokenizer.json", '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1.0], "special_tokens": []}',
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1.0], "special_tokens": []}',
      r"merge #0 \[0, 1.0\]"),
 ])
 def test_malformed_scratchlm_files_are_refused(tmp_path, name, content, message):
@@ -456,10 +463,16 @@ def test_plain_text_never_gets_a_special_id_when_a_merge_shares_its_bytes():
 def test_save_skips_the_gpt2_pair_when_ids_share_bytes(tmp_path):
     vocab = {i: bytes([i]) for i in range(256)} | {256: b"|", 257: b"ab"}
     tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["|"])
-    (tmp_path / "vocab.json").write_text("{}")  # a stale GPT-2 pair from an earlier save is removed
-    with pytest.warns(UserWarning, match="cannot hold two ids with the same bytes"):
+    for stale in ("vocab.json", "tokenizer.json"):  # GPT-2 and Hugging Face files of an earlier save are removed
+        (tmp_path / stale).write_text("{}")
+    with pytest.warns(UserWarning) as warned:
         tokenizer.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    assert [str(w.message).split(": ", 1)[1] for w in warned] == [
+        "no tokenizer.json + tokenizer_config.json written: Hugging Face's tokenizer.json cannot hold two ids with "
+        "the same bytes (scratchlm-tokenizer.json holds the whole tokenizer)",
+        "no vocab.json + merges.txt written: GPT-2's format cannot hold two ids with the same bytes "
+        "(scratchlm-tokenizer.json holds the whole tokenizer)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scratchlm-tokenizer.json"]
     loaded = Tokenizer.load(tmp_path)
     assert (loaded.vocab, loaded.special_id("|"), loaded.encode_ordinary("|")) == (vocab, 256, [ord("|")])
 

@@ -1,13 +1,12 @@
 """`scratchlm export hf` and `scratchlm import hf`: trade checkpoints with the Hugging Face ecosystem.
 
 Export writes a folder that `transformers.AutoModelForCausalLM` and `AutoTokenizer` load offline:
-``config.json`` (a LlamaConfig), ``model.safetensors`` (weights mapped by compat/hf.py) and the tokenizer as
-HF ``tokenizers`` wants it: a byte-level BPE model over our vocab/merges written in GPT-2's byte-to-unicode
-alphabet, the GPT-2 pre-tokenizer (the same split regex as ours), and our special tokens as added tokens
-(``tokenizer.json`` + ``tokenizer_config.json``). Import reads a Llama folder of a matching architecture
-(refusing GQA, biases, RoPE scaling with a clear error) into a run directory that `generate` and `eval`
-accept: ``config.toml``, a step-0 checkpoint written by the checkpoint module, and ``tokenizer/`` when the
-folder has a byte-level BPE tokenizer. Weights are read and written only as safetensors (never pickle).
+``config.json`` (a LlamaConfig), ``model.safetensors`` (weights mapped by compat/hf.py) and the tokenizer's
+``tokenizer.json`` + ``tokenizer_config.json``, the files ``Tokenizer.save`` writes too (tokenizer/hf_format.py).
+Import reads a Llama folder of a matching architecture (refusing GQA, biases, RoPE scaling with a clear error)
+into a run directory that `generate` and `eval` accept: ``config.toml``, a step-0 checkpoint written by the
+checkpoint module, and ``tokenizer/`` when the folder has a byte-level BPE tokenizer that our encoder matches
+(another kind is left out, saying why). Weights are read and written only as safetensors (never pickle).
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-EOS_TOKEN = "<|endoftext|>"
+from scratchlm.tokenizer.hf_format import EOS_TOKEN
+
 HF_PACKAGES = ("transformers", "tokenizers")  # the [hf] extra: not part of a plain install
 DEFAULT_MAX_GIB = 8.0  # import hf refuses a model whose build would allocate more (--max-gib)
 # Tensors some Llama checkpoints carry that our model recomputes (RoPE frequencies): not weights, nothing lost.
@@ -89,6 +89,7 @@ def export_hf(model, tokenizer, out: Path) -> None:
     from safetensors.torch import save_file
 
     from scratchlm.compat.hf import to_hf_llama_config, to_hf_state_dict
+    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
@@ -105,8 +106,7 @@ def export_hf(model, tokenizer, out: Path) -> None:
             _write_both_rope_spellings(out / "config.json", cfg.rope_theta)
         with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        with naming(out / "tokenizer.json"):
-            hf_tokenizer(tokenizer).save_pretrained(out)
+        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
 
 
 def _write_both_rope_spellings(path: Path, rope_theta: float) -> None:
@@ -116,44 +116,13 @@ def _write_both_rope_spellings(path: Path, rope_theta: float) -> None:
     path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def hf_tokenizer(tokenizer):
-    """A `transformers.PreTrainedTokenizerFast` that encodes and decodes exactly as our `tokenizer` does."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from scratchlm.tokenizer.io import gpt2_bytes_to_unicode
-
-    table = gpt2_bytes_to_unicode()
-
-    def as_text(token: bytes) -> str:
-        return "".join(table[byte] for byte in token)
-
-    specials = {token: tokenizer.special_id(token) for token in tokenizer.special_tokens}
-    special_ids = set(specials.values())
-    # Specials sit in the BPE vocab under their own text (as GPT-2's vocab.json has <|endoftext|>), so
-    # registering them as added tokens reuses their ids instead of appending new ones.
-    vocab = {as_text(token): token_id for token_id, token in tokenizer.vocab.items() if token_id not in special_ids}
-    vocab.update(specials)
-    merges = [(as_text(left), as_text(right)) for left, right in tokenizer.merges]
-    core = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
-    for token, token_id in specials.items():
-        if core.token_to_id(token) != token_id:
-            raise ValueError(f"special token {token!r}: id {core.token_to_id(token)} in Hugging Face, {token_id} "
-                             f"in ours")
-    eos = EOS_TOKEN if EOS_TOKEN in specials else None
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, clean_up_tokenization_spaces=False)
-
-
 # ---------------------------------------------------------------------------------------------------- import
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.extras import require
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
 
     for package in HF_PACKAGES:
         require(package, "hf", "scratchlm import hf")
@@ -166,10 +135,14 @@ def run_import_hf(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
     refuse_foreign_folder(run_dir, force=args.force)
     model = read_hf_llama(model_dir, max_gib=args.max_gib)
-    tokenizer = read_hf_tokenizer(model_dir)
+    try:
+        tokenizer = read_hf_tokenizer(model_dir)
+        missing = f"no {HF_TOKENIZER_FILE} in {model_dir}"
+    except UnsupportedHFTokenizer as reason:  # another kind of tokenizer: the weights are still worth importing
+        tokenizer, missing = None, f"tokenizer left out: {reason}"
     with removed_on_failure(run_dir):
         checkpoint = write_run(model, tokenizer, run_dir)
-    note = "" if tokenizer else f" (no byte-level BPE tokenizer in {model_dir}: pass --tokenizer to generate)"
+    note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"
     print(f"wrote run directory {run_dir} with checkpoint {checkpoint}{note}")
     return 0
 
@@ -331,39 +304,15 @@ def _check_tied_head(tensors: dict, declared: dict) -> None:
 
 
 def read_hf_tokenizer(model_dir: Path):
-    """Our Tokenizer from a byte-level BPE `tokenizer.json`, or None when the folder has none we can read."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        return _parse_hf_tokenizer(path, json.loads(path.read_text(encoding="utf-8")))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:  # ValueError: JSON, bytes, tokenizer checks
-        if str(error).startswith(str(path)):
-            raise
-        raise ValueError(f"{path}: not a readable tokenizer.json ({type(error).__name__}: {error})") from None
+    """Our Tokenizer from the folder's Hugging Face ``tokenizer.json``, or None when it has none.
 
-
-def _parse_hf_tokenizer(path: Path, document: dict):
+    Raises ``UnsupportedHFTokenizer`` for a tokenizer our encoder does not match (WordPiece, a normalizer...) and
+    a ValueError naming the file for a malformed one (tokenizer/hf_format.py reads it)."""
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.io import gpt2_unicode_to_bytes
+    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE
 
-    model = document.get("model") or {}
-    if model.get("type") != "BPE" or (document.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
-        return None
-    table = gpt2_unicode_to_bytes()
-    specials = sorted((t for t in document.get("added_tokens", []) if t.get("special")), key=lambda t: t["id"])
-
-    def as_bytes(text: str) -> bytes:
-        try:
-            return bytes(table[char] for char in text)
-        except KeyError as error:
-            raise ValueError(f"{path}: token {text!r} has character {error.args[0]!r} outside GPT-2's byte "
-                             f"alphabet") from None
-
-    vocab = {token_id: as_bytes(text) for text, token_id in model["vocab"].items()}
-    vocab.update({t["id"]: t["content"].encode("utf-8") for t in specials})
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
-    return Tokenizer(vocab, [(as_bytes(a), as_bytes(b)) for a, b in merges], [t["content"] for t in specials])
+    path = model_dir / HF_TOKENIZER_FILE
+    return Tokenizer.from_files(path) if path.is_file() else None
 
 
 def write_run(model, tokenizer, run_dir: Path) -> Path:

@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a BPE tokenizer on UTF-8 text files",
         description="Train a byte-level BPE tokenizer (GPT-2 pre-tokenization; ties go to the greater byte "
-        "pair) and save it as DIR/tokenizer.json plus GPT-2 style DIR/vocab.json and DIR/merges.txt.",
+        "pair) and save it as DIR/scratchlm-tokenizer.json, plus Hugging Face's DIR/tokenizer.json + "
+        "tokenizer_config.json and GPT-2 style DIR/vocab.json + DIR/merges.txt.",
     )
     train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text file(s)")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",

@@ -1,6 +1,8 @@
-"""Tokenizer files: the versioned scratchlm ``tokenizer.json`` and GPT-2's ``vocab.json`` + ``merges.txt``.
+"""Tokenizer files, one format each: scratchlm's own ``scratchlm-tokenizer.json`` and GPT-2's ``vocab.json`` +
+``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``hf_format.py``; which files a folder holds and the
+order ``load`` reads them in is ``folder.py``.)
 
-scratchlm format (``tokenizer.json``), exact and byte-safe, one vocab entry and one merge per line::
+scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab entry and one merge per line::
 
     {"format_version": 2,
      "vocab": ["<hex bytes of id 0>", "<hex bytes of id 1>", ..., null where an id is unused],
@@ -8,6 +10,8 @@ scratchlm format (``tokenizer.json``), exact and byte-safe, one vocab entry and 
                 ...],
      "special_tokens": ["<|endoftext|>", ...]}
 
+Folders saved before the Hugging Face file was written beside it hold this format under the name
+``tokenizer.json``; ``folder.py`` still reads them (the ``format_version`` key tells the two apart).
 Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex byte strings;
 version 2 holds each token's bytes once and reads in about half the time (GPT-2's 50k merges: ~0.03 s less).
 
@@ -15,27 +19,32 @@ GPT-2 format: ``vocab.json`` maps *printable* strings to ids and ``merges.txt`` 
 after a ``#version`` header; bytes become printable characters through GPT-2's byte <-> unicode table
 (``gpt2_bytes_to_unicode``), so no token contains a space or a newline. GPT-2 files have no special-token list.
 
-Every reader names the file and line (or key) of a malformed entry; unknown format versions are refused.
+Every reader names the file and line (or key) of a malformed entry; unknown format versions are refused. A writer
+whose format cannot hold a tokenizer exactly raises ``FormatCannotHold`` before writing anything.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from functools import cache
 from pathlib import Path
 
-from scratchlm.write_errors import made_folder, naming
+from scratchlm.write_errors import naming
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-TOKENIZER_FILE = "tokenizer.json"
+SCRATCHLM_FILE = "scratchlm-tokenizer.json"
 GPT2_VOCAB_FILE = "vocab.json"
 GPT2_MERGES_FILE = "merges.txt"
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
+
+
+class FormatCannotHold(ValueError):
+    """A file format that cannot hold this tokenizer exactly (say two ids with the same bytes in GPT-2's vocab.json,
+    which maps each token string to one id): the writer refuses rather than write a different tokenizer."""
 
 
 @cache
@@ -56,7 +65,8 @@ def gpt2_unicode_to_bytes() -> dict[str, int]:
     return {char: byte for byte, char in gpt2_bytes_to_unicode().items()}
 
 
-def _to_gpt2_string(token: bytes) -> str:
+def to_gpt2_string(token: bytes) -> str:
+    """token's bytes spelled in GPT-2's printable alphabet (a space is "Ġ")."""
     table = gpt2_bytes_to_unicode()
     return "".join(table[byte] for byte in token)
 
@@ -69,7 +79,8 @@ def _gpt2_translation() -> dict[int, str]:
     return table
 
 
-def _from_gpt2_string(text: str, where: str) -> bytes:
+def from_gpt2_string(text: str, where: str) -> bytes:
+    """The bytes a GPT-2-alphabet string spells; a character outside the alphabet is an error naming `where`."""
     try:  # fast path: one C-level translate + encode per token
         return text.translate(_gpt2_translation()).encode("latin-1")
     except UnicodeEncodeError:
@@ -92,43 +103,17 @@ def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]:
-    """(vocab, merges, special tokens) from a tokenizer directory: ``tokenizer.json`` first, else GPT-2 files."""
-    directory = Path(directory)
-    if directory.is_file():
-        raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
-                         "train` (or one holding GPT-2 vocab.json + merges.txt)")
-    if not directory.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
-    if (directory / TOKENIZER_FILE).exists():
-        return read_scratchlm_file(directory / TOKENIZER_FILE)
-    if (directory / GPT2_VOCAB_FILE).exists() and (directory / GPT2_MERGES_FILE).exists():
-        vocab, merges = read_gpt2_files(directory / GPT2_VOCAB_FILE, directory / GPT2_MERGES_FILE)
-        return vocab, merges, []
-    raise FileNotFoundError(f"{directory} holds no tokenizer: expected {TOKENIZER_FILE} or "
-                            f"{GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} (write one with `scratchlm tokenizer train`)")
-
-
-def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None) -> tuple[Vocab, Merges, list[str]]:
-    """GPT-2 ``vocab.json`` + ``merges.txt``, or a scratchlm ``tokenizer.json`` passed as vocab_path alone."""
-    document = _read_json(Path(vocab_path))
-    if isinstance(document, dict) and "format_version" in document:
-        if merges_path is not None:
-            raise ValueError(f"{vocab_path} is a scratchlm tokenizer file that holds its own merges; "
-                             f"pass no merges file (got {merges_path})")
-        return _parse_scratchlm(document, Path(vocab_path))
-    if merges_path is None:
-        raise ValueError(f"{vocab_path} is a GPT-2 vocab.json; its merges.txt is needed too")
-    vocab, merges = read_gpt2_files(vocab_path, merges_path)
-    return vocab, merges, []
-
-
 def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str]]:
     path = Path(path)
-    return _parse_scratchlm(_read_json(path), path)
+    return parse_scratchlm(read_json(path), path)
 
 
-def _parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str]]:
+def is_scratchlm_document(document: object) -> bool:
+    """Whether a parsed JSON file is (meant to be) scratchlm's format: an object with format_version."""
+    return isinstance(document, dict) and "format_version" in document
+
+
+def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str]]:
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a JSON object with format_version, vocab, merges, special_tokens")
     version = document.get("format_version")
@@ -223,7 +208,7 @@ def _is_hex_pair(pair: object) -> bool:
 def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vocab, Merges]:
     """Parse GPT-2 ``vocab.json`` (string -> id) and ``merges.txt`` into bytes."""
     vocab_path, merges_path = Path(vocab_path), Path(merges_path)
-    document = _read_json(vocab_path)
+    document = read_json(vocab_path)
     if not isinstance(document, dict):
         raise ValueError(f"{vocab_path}: expected a JSON object mapping token strings to ids")
     vocab: Vocab = {}
@@ -231,9 +216,9 @@ def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vo
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise ValueError(f"{vocab_path}: token {text!r} has id {token_id!r}, expected a non-negative integer")
         if token_id in vocab:
-            raise ValueError(f"{vocab_path}: id {token_id} is given to both {_to_gpt2_string(vocab[token_id])!r} "
+            raise ValueError(f"{vocab_path}: id {token_id} is given to both {to_gpt2_string(vocab[token_id])!r} "
                              f"and {text!r}")
-        vocab[token_id] = _from_gpt2_string(text, f"{vocab_path}: token")
+        vocab[token_id] = from_gpt2_string(text, f"{vocab_path}: token")
     return vocab, _read_gpt2_merges(merges_path)
 
 
@@ -247,7 +232,7 @@ def _read_gpt2_merges(path: Path) -> Merges:
         if len(parts) != 2 or not all(parts):
             raise ValueError(f"{path}:{line_number}: expected two tokens separated by one space, got {line!r}")
         where = f"{path}:{line_number}"
-        merges.append((_from_gpt2_string(parts[0], where), _from_gpt2_string(parts[1], where)))
+        merges.append((from_gpt2_string(parts[0], where), from_gpt2_string(parts[1], where)))
     return merges
 
 
@@ -260,7 +245,8 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path}: not UTF-8 (invalid byte at offset {error.start})") from None
 
 
-def _read_json(path: Path) -> object:
+def read_json(path: Path) -> object:
+    """A UTF-8 JSON file; a missing, non-UTF-8 or malformed one is an error naming it (and the line)."""
     text = _read_text(path)
     try:
         return json.loads(text)
@@ -269,48 +255,32 @@ def _read_json(path: Path) -> object:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> Path:
-    """Write tokenizer.json, vocab.json and merges.txt into directory (created if needed); returns it.
-
-    tokenizer.json is written first: it is what ``load`` reads, so a failure while writing the GPT-2 pair never
-    leaves a folder that loads as a tokenizer without its special tokens. GPT-2's vocab.json maps each token
-    string to one id, so a vocab where two ids hold the same bytes (say a one-character special token) gets no
-    GPT-2 pair (a warning says so; stale ones are removed) rather than one that silently drops an id.
-    """
-    with made_folder(directory) as directory:
-        return _write_tokenizer_files(directory, vocab, merges, special_tokens)
-
-
-def _write_tokenizer_files(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> Path:
+def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> None:
+    """scratchlm-tokenizer.json (version 2) with one vocab entry and one merge per line (json.dumps has no such
+    layout); a merge's parts are written as their (smallest) ids."""
     ids = invert_vocab(vocab)
-    _write_atomic(directory / TOKENIZER_FILE, _scratchlm_json(vocab, ids, merges, special_tokens))
-    if len(ids) < len(vocab):  # some ids share bytes
-        for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
-            (directory / name).unlink(missing_ok=True)
-        warnings.warn(f"{directory}: no {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} written: GPT-2's format cannot hold "
-                      f"two ids with the same bytes ({TOKENIZER_FILE} holds the whole tokenizer)", stacklevel=3)
-        return directory
-    gpt2_vocab = {_to_gpt2_string(vocab[token_id]): token_id for token_id in sorted(vocab)}
-    gpt2_merges = "".join(f"{_to_gpt2_string(a)} {_to_gpt2_string(b)}\n" for a, b in merges)
-    _write_atomic(directory / GPT2_VOCAB_FILE, json.dumps(gpt2_vocab, ensure_ascii=False))
-    _write_atomic(directory / GPT2_MERGES_FILE, "#version: 0.2\n" + gpt2_merges)
-    return directory
-
-
-def _scratchlm_json(vocab: Vocab, ids: dict[bytes, int], merges: Merges, special_tokens: list[str]) -> str:
-    """tokenizer.json (version 2) with one vocab entry and one merge per line (json.dumps has no such layout);
-    ``ids`` is ``invert_vocab(vocab)``: a merge's parts are written as their (smallest) ids."""
     missing = next((part for pair in merges for part in pair if part not in ids), None)
     if missing is not None:
         raise ValueError(f"cannot write merges that use {missing!r}, which is not in the vocab")
     tokens = [vocab[i].hex() if i in vocab else None for i in range(max(vocab, default=-1) + 1)]
     vocab_lines = ",\n".join(map(json.dumps, tokens))
     merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in merges)
-    return (f'{{"format_version": {FORMAT_VERSION},\n"vocab": [\n{vocab_lines}\n],\n"merges": [\n{merge_lines}\n],\n'
-            f'"special_tokens": {json.dumps(list(special_tokens))}}}\n')
+    write_atomic(path, f'{{"format_version": {FORMAT_VERSION},\n"vocab": [\n{vocab_lines}\n],\n'
+                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}}}\n')
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges) -> None:
+    """vocab.json + merges.txt in directory; FormatCannotHold when two ids hold the same bytes (say a
+    one-character special token), since GPT-2's vocab.json maps each token string to one id."""
+    if len(invert_vocab(vocab)) < len(vocab):
+        raise FormatCannotHold("GPT-2's format cannot hold two ids with the same bytes")
+    gpt2_vocab = {to_gpt2_string(vocab[token_id]): token_id for token_id in sorted(vocab)}
+    gpt2_merges = "".join(f"{to_gpt2_string(a)} {to_gpt2_string(b)}\n" for a, b in merges)
+    write_atomic(directory / GPT2_VOCAB_FILE, json.dumps(gpt2_vocab, ensure_ascii=False))
+    write_atomic(directory / GPT2_MERGES_FILE, "#version: 0.2\n" + gpt2_merges)
+
+
+def write_atomic(path: Path, text: str) -> None:
     """Write via PATH.tmp + rename; a failure (a full disk) removes the .tmp and names `path`."""
     temporary = path.with_name(path.name + ".tmp")
     data = text.encode("utf-8")

@@ -10,7 +10,8 @@ Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=Fa
 from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
 ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
-Serialization lives in ``io.py``; this module only knows vocab, merges and special tokens.
+Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
+``hf_format.py`` (Hugging Face's); this module only knows vocab, merges and special tokens.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class Tokenizer:
     @classmethod
     def from_files(cls, vocab_path: str | Path, merges_path: str | Path | None = None,
                    special_tokens: list[str] | None = None, *, fast: bool = True) -> Tokenizer:
-        """Read GPT-2 ``vocab.json`` + ``merges.txt``, or a scratchlm ``tokenizer.json`` (merges_path=None)."""
-        from scratchlm.tokenizer.io import read_tokenizer_files
+        """Read GPT-2 ``vocab.json`` + ``merges.txt``, or with merges_path=None one file that holds its own merges:
+        ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
+        from scratchlm.tokenizer.folder import read_tokenizer_files
 
         vocab, merges, stored_specials = read_tokenizer_files(vocab_path, merges_path)
         specials = special_tokens if special_tokens is not None else stored_specials
@@ -71,8 +73,9 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
-        """Read a directory written by ``save`` (``tokenizer.json``, else ``vocab.json`` + ``merges.txt``)."""
-        from scratchlm.tokenizer.io import read_tokenizer_dir
+        """Read a directory written by ``save``, a Hugging Face tokenizer folder, or GPT-2 ``vocab.json`` +
+        ``merges.txt`` (the order of the files is in ``folder.py``)."""
+        from scratchlm.tokenizer.folder import read_tokenizer_dir
 
         vocab, merges, specials = read_tokenizer_dir(directory)
         return cls._built_from(directory, vocab, merges, specials, fast)
@@ -88,8 +91,9 @@ class Tokenizer:
             raise ValueError(f"{source}: {error}") from None
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``tokenizer.json`` (scratchlm format) and GPT-2 ``vocab.json`` + ``merges.txt`` into directory."""
-        from scratchlm.tokenizer.io import write_tokenizer_dir
+        """Write ``scratchlm-tokenizer.json``, Hugging Face's ``tokenizer.json`` + ``tokenizer_config.json`` and GPT-2
+        ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
+        from scratchlm.tokenizer.folder import write_tokenizer_dir
 
         return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens)
 
@@ -100,7 +104,10 @@ class Tokenizer:
 
     @property
     def hash(self) -> str:
-        """sha256 hex digest of the canonical (vocab, merges, special tokens); token files record it."""
+        """sha256 hex digest of the canonical (vocab, merges, special tokens); token files and runs record it.
+
+        Of the content, never of a file: a tokenizer read from any file that holds it exactly (whatever its name
+        or format) has this hash, so a file's new name or format never changes a recorded identity."""
         if self._hash is None:
             vocab = self.vocab
             lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]

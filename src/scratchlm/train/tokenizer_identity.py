@@ -6,7 +6,10 @@ be retrained, and any tokenizer of the same size loads without error and decodes
 ``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
 and keeps its own copy of the tokenizer, which data.tokenizer in the run's config then names: the run needs
 nothing outside its folder to decode, and can be moved. ``generate``, ``eval``, ``export hf`` and ``--resume``
-compare whatever they are given with that hash and refuse a mismatch, naming both.
+compare whatever they are given with that hash and refuse a mismatch, naming both. The hash is of the tokenizer's
+content (vocab, merges, special tokens), never of a file: a run recorded with a tokenizer folder of the older
+layout (scratchlm's format under the name tokenizer.json) accepts the same tokenizer read from
+``scratchlm-tokenizer.json`` or from Hugging Face's ``tokenizer.json``, and the other way round.
 
 The vocabulary: model.vocab_size left out (None) is the tokenizer's vocabulary size, rounded up to a multiple of
 model.pad_vocab_to; one that is set must hold every id of the tokenizer (a larger one is padding no token uses).

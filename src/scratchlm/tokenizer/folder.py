@@ -1,0 +1,125 @@
+"""A tokenizer folder: which files ``Tokenizer.save`` writes and the order ``Tokenizer.load`` reads them in.
+
+``save`` writes one tokenizer in three formats::
+
+    scratchlm-tokenizer.json   scratchlm's own format (io.py): exact for any vocab; load reads it first
+    tokenizer.json             Hugging Face's (hf_format.py), + tokenizer_config.json: for `tokenizers` and
+                               `transformers.AutoTokenizer`
+    vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens
+
+A format that cannot hold the tokenizer exactly (say two ids with the same bytes) is left out with a warning
+rather than written wrong, and stale files of that format are removed: scratchlm-tokenizer.json always holds
+the whole tokenizer.
+
+``load`` reads the first of: scratchlm-tokenizer.json; tokenizer.json, which is either scratchlm's format (the
+name it had before Hugging Face's file took it: those folders keep loading) or a Hugging Face byte-level BPE
+tokenizer (a folder from the Hub, or from another library); the GPT-2 pair. The files' names never enter a
+tokenizer's identity: ``Tokenizer.hash`` is of its vocab, merges and special tokens, whichever file they came from.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from scratchlm.tokenizer.hf_format import (
+    HF_CONFIG_FILE,
+    HF_TOKENIZER_FILE,
+    is_hf_document,
+    parse_hf_tokenizer,
+    write_hf_tokenizer,
+)
+from scratchlm.tokenizer.io import (
+    GPT2_MERGES_FILE,
+    GPT2_VOCAB_FILE,
+    SCRATCHLM_FILE,
+    FormatCannotHold,
+    Merges,
+    Vocab,
+    is_scratchlm_document,
+    parse_scratchlm,
+    read_gpt2_files,
+    read_json,
+    read_scratchlm_file,
+    write_gpt2_files,
+    write_scratchlm_file,
+)
+from scratchlm.write_errors import made_folder
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]:
+    """(vocab, merges, special tokens) from a tokenizer folder, its files tried in the order the module describes."""
+    directory = Path(directory)
+    if directory.is_file():
+        raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
+                         f"train` (or one holding a Hugging Face {HF_TOKENIZER_FILE}, or GPT-2 vocab.json + "
+                         "merges.txt)")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
+    if (directory / SCRATCHLM_FILE).exists():
+        return read_scratchlm_file(directory / SCRATCHLM_FILE)
+    if (directory / HF_TOKENIZER_FILE).exists():
+        return read_tokenizer_json(directory / HF_TOKENIZER_FILE)
+    if (directory / GPT2_VOCAB_FILE).exists() and (directory / GPT2_MERGES_FILE).exists():
+        vocab, merges = read_gpt2_files(directory / GPT2_VOCAB_FILE, directory / GPT2_MERGES_FILE)
+        return vocab, merges, []
+    raise FileNotFoundError(f"{directory} holds no tokenizer: expected {SCRATCHLM_FILE}, a Hugging Face "
+                            f"{HF_TOKENIZER_FILE}, or {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} (write one with "
+                            "`scratchlm tokenizer train`)")
+
+
+def read_tokenizer_json(path: Path) -> tuple[Vocab, Merges, list[str]]:
+    """A file named tokenizer.json: scratchlm's format as saved before it had a name of its own, or Hugging Face's."""
+    return _parse_single_file(read_json(path), path)
+
+
+def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None) -> tuple[Vocab, Merges, list[str]]:
+    """GPT-2 ``vocab.json`` + ``merges.txt``, or one file that holds its own merges (scratchlm's or Hugging Face's
+    tokenizer file) passed as vocab_path alone."""
+    vocab_path = Path(vocab_path)
+    document = read_json(vocab_path)
+    if merges_path is None:
+        return _parse_single_file(document, vocab_path)
+    if is_scratchlm_document(document) or is_hf_document(document):
+        raise ValueError(f"{vocab_path} is a tokenizer file that holds its own merges; pass no merges file "
+                         f"(got {merges_path})")
+    vocab, merges = read_gpt2_files(vocab_path, merges_path)
+    return vocab, merges, []
+
+
+def _parse_single_file(document: object, path: Path) -> tuple[Vocab, Merges, list[str]]:
+    if is_scratchlm_document(document):
+        return parse_scratchlm(document, path)
+    if is_hf_document(document):
+        return parse_hf_tokenizer(document, path)
+    raise ValueError(f"{path}: expected a scratchlm tokenizer (a JSON object with format_version) or a Hugging Face "
+                     "tokenizer.json (a JSON object with a model); a GPT-2 vocab.json is read with its merges.txt")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> Path:
+    """Write the three formats into directory (created if needed); returns it.
+
+    scratchlm-tokenizer.json is written first: it is what ``load`` reads first, so a failure while writing the
+    others never leaves a folder that loads as another tokenizer (the GPT-2 pair alone has no special tokens).
+    """
+    with made_folder(directory) as directory:
+        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens)
+        _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
+                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens))
+        _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
+                                     lambda: write_gpt2_files(directory, vocab, merges))
+        return directory
+
+
+def _write_unless_it_cannot_hold(directory: Path, names: tuple[str, ...], write: Callable[[], None]) -> None:
+    """Run write; when its format cannot hold the tokenizer, warn and remove that format's stale files instead."""
+    try:
+        write()
+    except FormatCannotHold as reason:
+        for name in names:
+            (directory / name).unlink(missing_ok=True)
+        warnings.warn(f"{directory}: no {' + '.join(names)} written: {reason} ({SCRATCHLM_FILE} holds the whole "
+                      "tokenizer)", stacklevel=4)

@@ -1,0 +1,272 @@
+"""Hugging Face's ``tokenizer.json`` (+ ``tokenizer_config.json``): writing ours, reading byte-level BPE ones.
+
+A tokenizer.json (documented with HF ``tokenizers``' serialization) describes a pipeline: added tokens, a
+normalizer, a pre-tokenizer, a model, a decoder. Ours is the GPT-2 pipeline, written as plain JSON (no
+``tokenizers`` or ``transformers`` needed to save)::
+
+    added_tokens   our special tokens, matched on the raw text before anything else, each with its id
+    normalizer     null: the text is not changed
+    pre_tokenizer  ByteLevel with use_regex (the GPT-2 split pattern, as ours in pretokenize.py) and no prefix space
+    model          BPE: "vocab" {token: id} and "merges" ["left right", ...] in rank order, both spelled in
+                   GPT-2's byte alphabet (io.to_gpt2_string); a special token is in the vocab under its own text
+    decoder        ByteLevel: the alphabet back to bytes, then UTF-8
+
+HF loads added tokens by their text, not by the ids written beside them: one already in the model's vocab keeps
+that id, any other gets the next id after the vocab. So each special token sits in the vocab at its id, and
+every id needs a string of its own there: two ids with the same bytes, or a special token spelled like another
+token's GPT-2 string, have no exact tokenizer.json (``FormatCannotHold``). ``tokenizer_config.json`` tells
+``transformers.AutoTokenizer`` which class to build and which token ends a text.
+
+Reading accepts the tokenizer.json files our encoder matches id for id: a BPE model, the ByteLevel
+pre-tokenizer with the GPT-2 pattern and no prefix space, no normalizer, and added tokens matched as our special
+tokens are. Anything else is ``UnsupportedHFTokenizer``, naming the setting (a WordPiece model, a normalizer,
+add_prefix_space...); a file that is malformed is a ValueError naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scratchlm.tokenizer.io import (
+    FormatCannotHold,
+    Merges,
+    Vocab,
+    from_gpt2_string,
+    invert_vocab,
+    to_gpt2_string,
+    write_atomic,
+)
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
+EOS_TOKEN = "<|endoftext|>"  # named as transformers' eos_token when the tokenizer has it
+
+
+class UnsupportedHFTokenizer(ValueError):
+    """A Hugging Face tokenizer.json whose ids our encoder would not reproduce (another model, a normalizer...)."""
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> None:
+    """tokenizer.json + tokenizer_config.json in directory; FormatCannotHold (before writing) when no tokenizer.json
+    encodes exactly as this tokenizer does."""
+    document = hf_tokenizer_document(vocab, merges, special_tokens)
+    config = hf_tokenizer_config(special_tokens)
+    write_atomic(directory / HF_TOKENIZER_FILE, json.dumps(document, ensure_ascii=False, indent=2) + "\n")
+    write_atomic(directory / HF_CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
+def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str]) -> dict:
+    """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included)."""
+    special_ids = _special_ids(vocab, special_tokens)
+    _check_no_merge_spells_a_special(vocab, merges, special_ids)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": special_ids[token], "content": token, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True} for token in special_tokens],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": _hf_vocab(vocab, special_ids),
+                  "merges": [f"{to_gpt2_string(left)} {to_gpt2_string(right)}" for left, right in merges]},
+    }
+
+
+def hf_tokenizer_config(special_tokens: list[str]) -> dict:
+    """tokenizer_config.json: the class AutoTokenizer builds (4.x and 5.x know this name), the end-of-text token,
+    and no clean-up of spaces in decode (which would change the text: ``" ."`` -> ``"."``)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if EOS_TOKEN in special_tokens:
+        config["eos_token"] = EOS_TOKEN
+    return config
+
+
+def _special_ids(vocab: Vocab, special_tokens: list[str]) -> dict[str, int]:
+    ids = invert_vocab(vocab)
+    if len(ids) < len(vocab):
+        raise FormatCannotHold("Hugging Face's tokenizer.json cannot hold two ids with the same bytes")
+    missing = next((token for token in special_tokens if token.encode("utf-8") not in ids), None)
+    if missing is not None:
+        raise ValueError(f"special token {missing!r} is not in the vocab")
+    return {token: ids[token.encode("utf-8")] for token in special_tokens}
+
+
+def _check_no_merge_spells_a_special(vocab: Vocab, merges: Merges, special_ids: dict[str, int]) -> None:
+    """HF finds a merge's parts and result in the vocab by their GPT-2 spelling; a special token sits there under
+    its own text. Where the two differ (" the" is spelled "Ġthe"), a merge that uses or makes the special's bytes
+    (as when the special is also an ordinary token) would find nothing."""
+    respelled = {vocab[token_id]: token for token, token_id in special_ids.items()
+                 if token != to_gpt2_string(vocab[token_id])}
+    if not respelled:
+        return
+    for rank, (left, right) in enumerate(merges):
+        clash = next((part for part in (left, right, left + right) if part in respelled), None)
+        if clash is not None:
+            raise FormatCannotHold(f"Hugging Face's tokenizer.json cannot hold special token {respelled[clash]!r}: "
+                                   f"merge #{rank} uses or makes its bytes, which HF looks up as "
+                                   f"{to_gpt2_string(clash)!r}")
+
+
+def _hf_vocab(vocab: Vocab, special_ids: dict[str, int]) -> dict[str, int]:
+    """{GPT-2 string: id}, with each special token under its own text."""
+    text_of_special = {token_id: token for token, token_id in special_ids.items()}
+    hf_vocab: dict[str, int] = {}
+    for token_id in sorted(vocab):
+        text = text_of_special[token_id] if token_id in text_of_special else to_gpt2_string(vocab[token_id])
+        if text in hf_vocab:
+            raise FormatCannotHold(f"Hugging Face's tokenizer.json cannot hold ids {hf_vocab[text]} and {token_id}: "
+                                   f"both are spelled {text!r} there (one a special token's text)")
+        hf_vocab[text] = token_id
+    return hf_vocab
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def is_hf_document(document: object) -> bool:
+    """Whether a parsed JSON file is (meant to be) a Hugging Face tokenizer.json: an object with a model."""
+    return isinstance(document, dict) and isinstance(document.get("model"), dict)
+
+
+def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[str]]:
+    """(vocab, merges, special tokens) of a Hugging Face byte-level BPE tokenizer.json (``is_hf_document``).
+
+    The added tokens become our special tokens, in the file's order (so a file we wrote reads back with the same
+    ``Tokenizer.hash``); their bytes are their text, every other token's bytes its GPT-2 spelling."""
+    _check_pipeline(document, path)
+    model = document["model"]
+    hf_vocab = _read_vocab(model, path)
+    added = _read_added_tokens(document, hf_vocab, path)
+    vocab = {token_id: from_gpt2_string(text, f"{path}: vocab token") for text, token_id in hf_vocab.items()
+             if token_id not in added}
+    id_of_bytes = {data: token_id for token_id, data in vocab.items()}  # one id each: the spelling is one-to-one
+    for token_id, token in added.items():
+        data = token.encode("utf-8")
+        if data in id_of_bytes:
+            raise UnsupportedHFTokenizer(f"{path}: added token {token!r} (id {token_id}) has the bytes of token id "
+                                         f"{id_of_bytes[data]}; scratchlm gives the bytes of a special token one id")
+        vocab[token_id] = data
+    merges = [(from_gpt2_string(left, f"{path}: merge #{rank}"), from_gpt2_string(right, f"{path}: merge #{rank}"))
+              for rank, (left, right) in enumerate(_read_merges(model, path))]
+    return vocab, merges, list(added.values())
+
+
+def _unreadable(path: Path, detail: str) -> ValueError:
+    return ValueError(f"{path}: not a readable tokenizer.json ({detail})")
+
+
+def _check_pipeline(document: dict, path: Path) -> None:
+    """Refuse every setting that would make Hugging Face's ids differ from ours."""
+    model, pre_tokenizer = document["model"], document.get("pre_tokenizer")
+    kind = pre_tokenizer.get("type") if isinstance(pre_tokenizer, dict) else None
+    if model.get("type") != "BPE" or kind != "ByteLevel":
+        raise UnsupportedHFTokenizer(f"{path}: a Hugging Face tokenizer with model {model.get('type')!r} and "
+                                     f"pre-tokenizer {kind!r}; scratchlm reads byte-level BPE (model 'BPE', "
+                                     "pre-tokenizer 'ByteLevel')")
+    if not isinstance(pre_tokenizer.get("add_prefix_space"), bool):
+        raise _unreadable(path, "the ByteLevel pre-tokenizer has no add_prefix_space true/false")
+    changes = {
+        "add_prefix_space": pre_tokenizer["add_prefix_space"],  # a space put before the text
+        "use_regex": not pre_tokenizer.get("use_regex", True),  # no GPT-2 split pattern
+        "normalizer": document.get("normalizer") is not None,  # the text changed before splitting
+        "ignore_merges": bool(model.get("ignore_merges")),  # whole words looked up before merging
+        "dropout": model.get("dropout") not in (None, 0),  # random merges skipped
+        "continuing_subword_prefix": model.get("continuing_subword_prefix") not in (None, ""),
+        "end_of_word_suffix": model.get("end_of_word_suffix") not in (None, ""),
+    }
+    changed = [name for name, is_set in changes.items() if is_set]
+    if changed:
+        raise UnsupportedHFTokenizer(f"{path}: this byte-level BPE tokenizer sets {', '.join(changed)}, which "
+                                     "scratchlm's encoder does not do (it splits and merges as GPT-2 does)")
+
+
+def _read_vocab(model: dict, path: Path) -> dict[str, int]:
+    hf_vocab = model.get("vocab")
+    if not isinstance(hf_vocab, dict):
+        raise _unreadable(path, "model.vocab is missing or not an object")
+    holders: dict[int, str] = {}
+    for text, token_id in hf_vocab.items():
+        if type(token_id) is not int or token_id < 0:
+            raise _unreadable(path, f"vocab token {text!r} has id {token_id!r}, not a non-negative integer")
+        if token_id in holders:
+            raise _unreadable(path, f"id {token_id} is given to both {holders[token_id]!r} and {text!r}")
+        holders[token_id] = text
+    return hf_vocab
+
+
+def _read_merges(model: dict, path: Path) -> list[tuple[str, str]]:
+    """model.merges as (left, right) strings: ``"left right"`` (all versions) or ``["left", "right"]`` (0.20+)."""
+    merges = model.get("merges", [])
+    if not isinstance(merges, list):
+        raise _unreadable(path, "model.merges is not a list")
+    pairs = []
+    for rank, merge in enumerate(merges):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(part, str) and part for part in pair)):
+            raise _unreadable(path, f"merge #{rank} {merge!r} is not two tokens")
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+def _read_added_tokens(document: dict, hf_vocab: dict[str, int], path: Path) -> dict[int, str]:
+    """{id: text} of the added tokens, in the file's order, each checked to get from HF the id the file gives it.
+
+    HF loads an added token by its text: the id the model's vocab gives that text, else the next id after the
+    vocab and after the added tokens before it. A file whose ids disagree loads in HF with other ids than it says.
+    """
+    entries = document.get("added_tokens", [])
+    if not isinstance(entries, list):
+        raise _unreadable(path, "added_tokens is not a list")
+    added: dict[int, str] = {}
+    normalized = {}
+    vocab_ids = set(hf_vocab.values())
+    for position, entry in enumerate(entries):
+        token, token_id = _read_added_token(entry, position, path)
+        expected = hf_vocab.get(token, max([len(hf_vocab), *(i + 1 for i in added)]))
+        if token_id != expected:
+            raise _unreadable(path, f"added token {token!r} has id {token_id}, but Hugging Face gives it {expected}")
+        if token_id in added or (token not in hf_vocab and token_id in vocab_ids):
+            raise _unreadable(path, f"added token {token!r} has id {token_id}, which another token holds")
+        added[token_id] = token
+        normalized[token] = entry.get("normalized", True)
+    _check_one_matching_pass(normalized, path)
+    return added
+
+
+def _read_added_token(entry: object, position: int, path: Path) -> tuple[str, int]:
+    if not isinstance(entry, dict):
+        raise _unreadable(path, f"added token #{position} is not an object")
+    token, token_id = entry.get("content"), entry.get("id")
+    if not isinstance(token, str) or not token or type(token_id) is not int or token_id < 0:
+        raise _unreadable(path, f"added token #{position} needs a non-empty content and a non-negative id")
+    if not token.isascii() and any("\ud800" <= char <= "\udfff" for char in token):  # JSON can spell them
+        raise _unreadable(path, f"added token #{position} {token!r} holds a lone surrogate, which is not text")
+    options = [option for option in ("single_word", "lstrip", "rstrip") if entry.get(option)]
+    if options:
+        raise UnsupportedHFTokenizer(f"{path}: added token {token!r} sets {', '.join(options)}; scratchlm matches a "
+                                     "special token by its exact text")
+    return token, token_id
+
+
+def _check_one_matching_pass(normalized: dict[str, bool], path: Path) -> None:
+    """HF cuts out the added tokens marked normalized=false first and the others afterwards, in what is left; we
+    cut out all of them in one pass (leftmost, then longest). Both cut the same text unless a token of one group
+    can overlap one of the other, as "ab" and "bc" overlap in "abc"."""
+    raw = [token for token, is_normalized in normalized.items() if not is_normalized]
+    cooked = [token for token, is_normalized in normalized.items() if is_normalized]
+    for first in raw:
+        clash = next((second for second in cooked if _can_overlap(first, second)), None)
+        if clash is not None:
+            raise UnsupportedHFTokenizer(f"{path}: added tokens {first!r} (normalized false) and {clash!r} "
+                                         "(normalized true) can overlap in a text, and HF matches the two groups "
+                                         "one after the other where scratchlm matches all at once")
+
+
+def _can_overlap(a: str, b: str) -> bool:
+    """Whether one text can hold an occurrence of a and one of b that share a character."""
+    shorter = min(len(a), len(b))
+    return a in b or b in a or any(a.endswith(b[:k]) or b.endswith(a[:k]) for k in range(1, shorter))
