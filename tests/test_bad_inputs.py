@@ -126,7 +126,7 @@ def check_refused(world: Path, tmp_path: Path, capsys, argv: list[str], message:
     (["--input", "{T}/corpus.txt", "--out", "{T}/tokA/vocab.json", "--force"], "is the input {T}/tokA/vocab.json"),
     (["--input", "{T}/corpus.txt", "--out", "{T}/notes.txt"], "--out {T}/notes.txt exists and is not a token file"),
     (["--input", "{T}/missing.txt", "--out", "{T}/new.tok"], "missing.txt does not exist"),
-    (["--input", "{T}/docs/a.jsonl", "--text-field", "body", "--out", "{T}/new.tok"],
+    (["--input", "{T}/docs/a.jsonl", "--text-field", "body", "--out", "{T}/new.tok", "--no-eot"],
      "{T}/docs/a.jsonl:1: no field 'body' (fields: 'text')"),
 ])
 def test_data_encode(world, tmp_path, capsys, argv, message):
