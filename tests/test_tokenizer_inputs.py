@@ -14,6 +14,8 @@ import importlib.util
 import json
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -283,3 +285,29 @@ def test_cli_refuses_an_output_inside_an_input_folder(tmp_path, capsys):
     error = capsys.readouterr().err
     assert code == 1 and f"--out {folder / 'tok'} lies inside the input {folder}" in error, error
     assert error.count("\n") == 1 and not (folder / "tok").exists()
+
+
+# --- plain text without sources.py -------------------------------------------------------------------------
+
+NAMES = [f"c{suffix}{compression}" for suffix in (*sources.KNOWN_SUFFIXES, ".en", "")
+         for compression in ("", *sources.COMPRESSED_SUFFIXES)] + ["C.JSONL", "x.TXT.GZ", "data.json.txt"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_text_names_agree_with_sources(tmp_path, name):
+    """training_inputs repeats which names sources.py parses (to skip importing it): the two must agree."""
+    path = write_bytes(tmp_path / name, b"")
+    try:
+        plain = source_of(path).is_plain_text
+    except ValueError:  # a compressed parquet file: refused by sources.py
+        plain = False
+    assert (training_inputs.plain_text_files([path]) is not None) == plain
+    assert training_inputs.plain_text_files([tmp_path]) is None and training_inputs.plain_text_files([]) is None
+
+
+def test_plain_text_files_are_counted_without_importing_the_readers(tmp_path):
+    corpus = write_text(tmp_path / "c.txt", DOCUMENTS)
+    script = ("import sys; from scratchlm.tokenizer import train_bpe; "
+              f"train_bpe({str(corpus)!r}, 300, [{EOT!r}]); print('scratchlm.data.sources' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
