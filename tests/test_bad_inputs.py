@@ -9,6 +9,7 @@ nothing behind. ``{T}`` in an argument stands for the world's folder.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"
 TINY_RUN = ["--set", "train.max_steps=6", "--set", "train.checkpoint_every=6", "--set", "train.eval_every=6",
             "--set", "train.eval_batches=1", "--set", "data.batch_size=4", "--quiet"]
+HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
+needs_pyarrow = pytest.mark.skipif(not HAS_PYARROW, reason="pyarrow is not installed")
 
 
 def byte_tokenizer(shift: int) -> Tokenizer:
@@ -46,6 +49,13 @@ def world(tmp_path_factory) -> Path:
     (root / "corpus.txt").write_text(text)
     (root / "notes.txt").write_text("a file of the user's\n")
     (root / "link.txt").symlink_to(root / "corpus.txt")
+    (root / "docs").mkdir()  # documents for the readers both `data encode` and `tokenizer train` use
+    (root / "docs" / "a.jsonl").write_text('{"text": "the cat sat"}\n{"text": "on a mat"}\n')
+    if HAS_PYARROW:
+        from pyarrow import parquet, table
+
+        parquet.write_table(table({"text": ["the cat", "sat"]}), root / "docs" / "b.parquet")
+    (root / "bad_utf8.jsonl").write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": "caf\xe9"}\n')
     token_a, token_b = byte_tokenizer(0), byte_tokenizer(1)
     token_a.save(root / "tokA")
     token_b.save(root / "tokB")
@@ -116,6 +126,8 @@ def check_refused(world: Path, tmp_path: Path, capsys, argv: list[str], message:
     (["--input", "{T}/corpus.txt", "--out", "{T}/tokA/vocab.json", "--force"], "is the input {T}/tokA/vocab.json"),
     (["--input", "{T}/corpus.txt", "--out", "{T}/notes.txt"], "--out {T}/notes.txt exists and is not a token file"),
     (["--input", "{T}/missing.txt", "--out", "{T}/new.tok"], "missing.txt does not exist"),
+    (["--input", "{T}/docs/a.jsonl", "--text-field", "body", "--out", "{T}/new.tok", "--no-eot"],
+     "{T}/docs/a.jsonl:1: no field 'body' (fields: 'text')"),
 ])
 def test_data_encode(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["data", "encode", "--tokenizer", "{T}/tokA", "--quiet", *argv], message)
@@ -127,6 +139,14 @@ def test_data_encode(world, tmp_path, capsys, argv, message):
     (["--input", "{T}/corpus.txt", "--out", "{T}", "--force"], "--out {T} holds the input {T}/corpus.txt"),
     (["--input", "{T}/tokA/vocab.json", "--out", "{T}/tokA", "--force"], "holds the input {T}/tokA/vocab.json"),
     (["--input", "{T}/corpus.txt", "--out", "{T}/new/tok", "--vocab-size", "10"], "vocab"),
+    (["--input", "{T}/docs/a.jsonl", "--text-field", "body", "--out", "{T}/new/tok"],
+     "{T}/docs/a.jsonl:1: no field 'body' (fields: 'text'); choose one with --text-field"),
+    (["--input", "{T}/bad_utf8.jsonl", "--out", "{T}/new/tok"], "{T}/bad_utf8.jsonl:3: invalid UTF-8 at column 14"),
+    pytest.param(["--input", "{T}/docs/b.parquet", "--text-field", "body", "--out", "{T}/new/tok"],
+                 "{T}/docs/b.parquet: no column 'body' (columns: 'text')", marks=needs_pyarrow),
+    (["--input", "{T}/docs", "--out", "{T}/docs/tok"], "--out {T}/docs/tok lies inside the input {T}/docs"),
+    (["--input", "{T}/*.missing", "--out", "{T}/new/tok"], "input pattern {T}/*.missing matches no files"),
+    (["--input", "{T}/missing.txt", "--out", "{T}/new/tok"], "input file {T}/missing.txt does not exist"),
 ])
 def test_tokenizer_train(world, tmp_path, capsys, argv, message):
     vocab = [] if "--vocab-size" in argv else ["--vocab-size", "270"]

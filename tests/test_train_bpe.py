@@ -201,8 +201,8 @@ def test_missing_file_is_named(tmp_path):
         train_bpe(tmp_path / "missing.txt", 300, [])
 
 
-def test_directory_input_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="not a regular file"):
+def test_folder_without_inputs_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no input files"):
         train_bpe(tmp_path, 300, [])
 
 

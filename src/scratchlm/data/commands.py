@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from scratchlm.data.download import register_download
+from scratchlm.data.input_arguments import add_input_arguments
 from scratchlm.workers import default_workers
 
 
@@ -32,11 +33,8 @@ def _register_encode(actions) -> None:
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="tokenizer directory (from `scratchlm tokenizer train`, a Hugging Face tokenizer.json "
                              "folder, or GPT-2 vocab.json+merges.txt)")
-    parser.add_argument("--input", required=True, nargs="+", metavar="INPUT",
-                        help="files, folders, globs or hf:NAME[:CONFIG][:SPLIT]")
+    add_input_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE", help="token file to write")
-    parser.add_argument("--text-field", default="text", metavar="NAME",
-                        help="the JSON field / parquet or dataset column holding the text (default: text)")
     parser.add_argument("--no-eot", dest="end_of_text", action="store_false",
                         help="do not end each document with <|endoftext|> (default: do)")
     split = parser.add_mutually_exclusive_group()
@@ -48,9 +46,6 @@ def _register_encode(actions) -> None:
                         help="validation token file (default: beside --out, NAME.val.tok for NAME.tok)")
     parser.add_argument("--workers", type=_positive_int, default=default_workers(), metavar="N",
                         help="processes (default: usable CPUs, at most 8)")
-    parser.add_argument("--errors", choices=["strict", "replace"], default="strict",
-                        help="invalid UTF-8: stop naming file and byte offset (strict, default), "
-                             "or substitute U+FFFD (replace)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     parser.set_defaults(func=run_encode)

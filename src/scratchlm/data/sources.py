@@ -127,6 +127,14 @@ def read_documents(source: Source, *, text_field: str = "text", errors: str = "s
     return _json_documents(source, text_field, errors)
 
 
+def read_text_blocks(source: Source, *, errors: str = "strict") -> Iterator[str]:
+    """The text of a text source (decompressed), block by block, for a reader that cuts the text itself (BPE
+    counting cuts it where no pre-token spans the cut, so a file without end-of-text tokens is never held whole)."""
+    if source.format != "text":
+        raise ValueError(f"{source.path}: not a text file")
+    return _text_blocks(source, errors)
+
+
 def _open_binary(source: Source):
     if source.compression == ".gz":
         return gzip.open(source.path, "rb")

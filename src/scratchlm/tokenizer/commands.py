@@ -1,4 +1,7 @@
-"""``scratchlm tokenizer train``: train a byte-level BPE tokenizer on text files and save it.
+"""``scratchlm tokenizer train``: train a byte-level BPE tokenizer on documents and save it.
+
+It reads the inputs `data encode` reads (text, JSON lines, JSON, parquet, compressed, folders, globs, `hf:`
+datasets), with the same flags (`data/input_arguments.py`).
 
 Prints what a user wants to know about the run: wall time, peak memory (this process and the largest
 counting worker), the number of merges and the longest tokens learned.
@@ -11,8 +14,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scratchlm.tokenizer.counting import ERROR_POLICIES
+from scratchlm.data.input_arguments import add_input_arguments
+
+if TYPE_CHECKING:
+    from scratchlm.data.sources import Source
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,12 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     train = actions.add_parser(
         "train",
-        help="train a BPE tokenizer on UTF-8 text files",
+        help="train a BPE tokenizer on text, JSON lines, parquet or a Hugging Face dataset",
         description="Train a byte-level BPE tokenizer (GPT-2 pre-tokenization; ties go to the greater byte "
         "pair) and save it as DIR/scratchlm-tokenizer.json, plus Hugging Face's DIR/tokenizer.json + "
-        "tokenizer_config.json and GPT-2 style DIR/vocab.json + DIR/merges.txt.",
+        "tokenizer_config.json and GPT-2 style DIR/vocab.json + DIR/merges.txt. Inputs: .txt, .jsonl/.json, "
+        ".parquet (optionally .gz/.zst), folders and globs of those, and hf:NAME[:CONFIG][:SPLIT] datasets, as "
+        "`data encode` takes them; no pre-token spans two documents.",
     )
-    train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text file(s)")
+    add_input_arguments(train)
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
                        help="total vocabulary: 256 bytes + special tokens + merges")
     train.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
@@ -34,8 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--out", required=True, metavar="DIR", help="directory to save the tokenizer in")
     train.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes for pre-token counting (default: usable CPUs, at most 8)")
-    train.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
-                       help="invalid UTF-8: 'strict' stops naming the file and byte offset; 'replace' uses U+FFFD")
     train.add_argument("--quiet", action="store_true", help="no progress bars or summary")
     train.add_argument("--force", action="store_true",
                        help="write into an existing folder that holds files (replacing a tokenizer there)")
@@ -60,28 +67,46 @@ def describe_longest(vocab: dict[int, bytes], first_learned_id: int, count: int 
     return ", ".join(f"{token_id}:{token.decode('utf-8', errors='replace')!r}" for token_id, token in longest)
 
 
+def input_paths(specs: list[str], sources: list[Source]) -> list[Path]:
+    """The input files and the folders given: the output may be none of them, and lie in none of the folders (its
+    files would be read as inputs next time)."""
+    files = [Path(source.path) for source in sources if source.format != "hf"]
+    return files + [Path(spec) for spec in specs if Path(spec).is_dir()]
+
+
+def describe_size(sources: list[Source]) -> str:
+    """The size of the input files on disk, and the number of datasets besides: "12.3 MB", "1 dataset"."""
+    files = [source for source in sources if source.format != "hf"]
+    parts = [f"{sum(os.path.getsize(source.path) for source in files) / 2**20:.1f} MB"] if files else []
+    if len(files) < len(sources):
+        datasets = len(sources) - len(files)
+        parts.append(f"{datasets} dataset{'s' if datasets > 1 else ''}")
+    return " and ".join(parts)
+
+
 def run_train(args: argparse.Namespace) -> int:
+    from scratchlm.data.sources import expand_inputs
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train_bpe import train_bpe
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    sources = expand_inputs(args.input)  # a missing file, an empty folder, a glob that matches nothing
     # Before training, not after it. An existing tokenizer may be the one runs and token files were made with.
     out = Path(args.out)
     refuse_foreign_folder(out, force=args.force)
-    refuse_inputs(out, [Path(path) for path in args.input])
+    refuse_inputs(out, input_paths(args.input, sources))
     show_progress = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
-                              progress=show_progress, errors=args.errors)
+                              progress=show_progress, errors=args.errors, text_field=args.text_field)
     seconds = time.perf_counter() - start
     with removed_on_failure(out):
         out = Tokenizer(vocab, merges, args.special_token).save(out)
     if not args.quiet:
         own_mb, worker_mb = peak_memory_mb()
-        input_mb = sum(os.path.getsize(path) for path in args.input) / 2**20
-        print(f"trained on {input_mb:.1f} MB in {seconds:.2f} s: {len(merges)} merges, vocab {len(vocab)}")
+        print(f"trained on {describe_size(sources)} in {seconds:.2f} s: {len(merges)} merges, vocab {len(vocab)}")
         where = f"(main process), {worker_mb:.0f} MB (largest worker)" if worker_mb else "(one process, no workers)"
         print(f"peak RSS: {own_mb:.0f} MB {where}")
         print(f"longest tokens: {describe_longest(vocab, 256 + len(args.special_token))}")

@@ -39,6 +39,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import multiprocessing.context
 
+    import regex
+
 ERROR_POLICIES = ("strict", "replace")
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # upper bound on what one worker holds at a time
 PARALLEL_THRESHOLD_BYTES = 2**20  # below this, forking workers costs more than it saves
@@ -70,9 +72,10 @@ def _boundary_regex(special_bytes: list[bytes]) -> re.Pattern[bytes]:
     return re.compile(b"|".join(candidates))
 
 
-def _straddled(window: bytes, position: int, special_bytes: list[bytes]) -> bool:
-    """Whether some special-token occurrence starts before `position` and ends after it."""
-    for token in special_bytes:
+def straddled(window, position: int, special_tokens: list) -> bool:
+    """Whether some special-token occurrence starts before `position` and ends after it (`window` and the tokens
+    are both bytes, or both str)."""
+    for token in special_tokens:
         found = window.find(token, max(0, position - len(token) + 1), position + len(token) - 1)
         if found != -1 and found < position:
             return True
@@ -91,7 +94,7 @@ def find_boundary(handle, target: int, file_size: int, special_bytes: list[bytes
         search_end = min(position - window_start + WINDOW_BYTES, len(window))
         for match in pattern.finditer(window, position - window_start, search_end):
             cut = match.start()
-            if not _straddled(window, cut, special_bytes):
+            if not straddled(window, cut, special_bytes):
                 return window_start + cut
         position += WINDOW_BYTES
     return file_size
@@ -133,13 +136,19 @@ def count_chunk(task: tuple[Chunk, list[str], str]) -> Counter[str]:
     text = decode_chunk(data, chunk, errors)
     del data
     counts: Counter[str] = Counter()
-    for piece, is_special in split_on_special_tokens(text, special_token_regex(special_tokens)):
+    count_text(text, special_token_regex(special_tokens), counts)
+    return counts
+
+
+def count_text(text: str, special_regex: regex.Pattern | None, counts: Counter[str]) -> None:
+    """Add the pre-tokens of `text` to `counts`; special tokens (matched by `special_regex`) are cut out first and
+    not counted."""
+    for piece, is_special in split_on_special_tokens(text, special_regex):
         if not is_special:
             for part in word_aligned_parts(piece):
                 # A non-ASCII part goes in small pieces: its ASCII ones take split_pretokens' faster pattern.
                 for small in (part,) if part.isascii() else word_aligned_parts(part, SMALL_PART_CHARS):
                     counts.update(split_pretokens(small))
-    return counts
 
 
 def word_aligned_parts(text: str, size: int = PART_CHARS) -> Iterator[str]:
@@ -158,7 +167,8 @@ def word_aligned_parts(text: str, size: int = PART_CHARS) -> Iterator[str]:
     yield text[start:]
 
 
-def _pool_context() -> multiprocessing.context.BaseContext:
+def pool_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context counting workers start in."""
     import multiprocessing  # here, not at the top: small inputs are counted in-process and never need it
 
     # fork starts a worker in milliseconds with the modules already imported; spawn re-imports everything.
@@ -170,9 +180,23 @@ def _counted_chunks(tasks: list, num_workers: int) -> Iterator[Counter[str]]:
     if num_workers <= 1 or len(tasks) <= 1:
         yield from map(count_chunk, tasks)
         return
-    with _pool_context().Pool(min(num_workers, len(tasks))) as pool:
+    with pool_context().Pool(min(num_workers, len(tasks))) as pool:
         # imap keeps file order, so the first error raised is the one earliest in the input.
         yield from pool.imap(count_chunk, tasks)
+
+
+def check_error_policy(errors: str) -> None:
+    """Refuse a UTF-8 policy other than ERROR_POLICIES."""
+    if errors not in ERROR_POLICIES:
+        raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+
+
+def resolve_workers(num_workers: int | None) -> int:
+    """`num_workers`, or the default (usable CPUs, at most 8) when None; fewer than 1 is an error."""
+    workers = default_workers() if num_workers is None else num_workers
+    if workers < 1:
+        raise ValueError(f"num_workers must be at least 1, got {workers}")
+    return workers
 
 
 def count_pretokens(
@@ -191,13 +215,10 @@ def count_pretokens(
     this process. `chunk_bytes` (default: enough chunks to balance the workers, at most 8 MiB) bounds the
     text any one process holds.
     """
-    if errors not in ERROR_POLICIES:
-        raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+    check_error_policy(errors)
+    workers = resolve_workers(num_workers)
     files = [check_input_file(path) for path in paths]
     total_bytes = sum(map(os.path.getsize, files))
-    workers = default_workers() if num_workers is None else num_workers
-    if workers < 1:
-        raise ValueError(f"num_workers must be at least 1, got {workers}")
     if total_bytes < parallel_threshold:
         workers = 1
     if chunk_bytes is None:

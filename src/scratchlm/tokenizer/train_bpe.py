@@ -1,7 +1,7 @@
 """Fast byte-level BPE training with incremental merges.
 
-Phase 1 (``counting.py``) reduces the corpus to counts of distinct pre-tokens ("words"). Phase 2, here,
-learns the merges on those words without ever rescanning the corpus:
+Phase 1 (``training_inputs.py``, ``counting.py``) reduces the corpus to counts of distinct pre-tokens ("words").
+Phase 2, here, learns the merges on those words without ever rescanning the corpus:
 
 * each word is a list of token ids (rewritten in place) with its count; ``pair_counts`` holds the weighted
   count of every adjacent pair and ``where`` maps a pair to a list of the indices of the words that (may)
@@ -35,7 +35,6 @@ from heapq import heapify, heappop, heappush, heapreplace
 from typing import TYPE_CHECKING
 
 from scratchlm.progress import progress_bar
-from scratchlm.tokenizer.counting import count_pretokens
 from scratchlm.tokenizer.pretokenize import validate_special_tokens
 
 if TYPE_CHECKING:
@@ -285,18 +284,25 @@ def train_bpe(
     num_workers: int | None = None,
     progress: bool = False,
     errors: str = "strict",
+    text_field: str = "text",
 ) -> tuple[Vocab, Merges]:
-    """Train a byte-level BPE tokenizer on one or more UTF-8 files.
+    """Train a byte-level BPE tokenizer on one or more inputs, as ``data encode`` takes them: text, JSON lines,
+    JSON or parquet files (optionally .gz / .zst), folders and globs of those, ``hf:NAME[:CONFIG][:SPLIT]``
+    datasets (``data/sources.py``). No pre-token spans two documents (records, rows), as none spans an
+    ``<|endoftext|>`` special token in a text file.
 
     Returns ``vocab`` (id -> bytes: 256 single bytes, the special tokens, then the merged tokens) and
     ``merges`` in creation order. Stops early when no pair is left to merge. `errors` is the UTF-8 policy
-    ("strict" raises naming the file and byte offset, "replace" substitutes U+FFFD); `num_workers` defaults
-    to the usable CPUs.
+    ("strict" raises naming the file and byte offset or line, "replace" substitutes U+FFFD); `text_field` is the
+    JSON field or the column holding the text; `num_workers` defaults to the usable CPUs.
     """
+    # Imported here: the readers of data/sources.py are not needed by `import scratchlm.tokenizer`.
+    from scratchlm.tokenizer.training_inputs import count_input_pretokens
+
     special_tokens = validate_special_tokens(special_tokens)
     _check_vocab_size(vocab_size, special_tokens)
-    paths = list(input_path) if isinstance(input_path, (list, tuple)) else [input_path]
-    word_counts: Counter[str] = count_pretokens(
-        paths, special_tokens, num_workers=num_workers, errors=errors, progress=progress
+    inputs = list(input_path) if isinstance(input_path, (list, tuple)) else [input_path]
+    word_counts: Counter[str] = count_input_pretokens(
+        inputs, special_tokens, num_workers=num_workers, errors=errors, text_field=text_field, progress=progress
     )
     return train_bpe_from_counts(word_counts, vocab_size, special_tokens, progress=progress)
