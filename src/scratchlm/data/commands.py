@@ -55,7 +55,7 @@ def _register_encode(actions) -> None:
                         help="the encoder: scratchlm's own (default), or tiktoken (native code, needs "
                              "pip install 'scratchlm[fast]'), built from this tokenizer's merges and used only once it "
                              "gives the same ids on the input's first megabyte; it wins on large varied corpora "
-                             "(web text), not on small or repetitive ones")
+                             "(web text), while on small or repetitive ones the default is as fast")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     parser.set_defaults(func=run_encode)
