@@ -367,7 +367,7 @@ def _refuse_other_ids(reference: Tokenizer, engine: Tokenizer, where: str, text:
     expected, got = reference.encode(text), engine.encode(text)
     if got == expected:
         return
-    position = next((i for i, pair in enumerate(zip(expected, got)) if pair[0] != pair[1]),
+    position = next((i for i, (want, have) in enumerate(zip(expected, got)) if want != have),
                     min(len(expected), len(got)))
     offset = len(reference.decode_bytes(expected[:position]))
     raise ValueError(f"--engine tiktoken gives other ids than the tokenizer on {where}: token {position} (at byte "
