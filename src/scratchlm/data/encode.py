@@ -340,8 +340,8 @@ def _first_texts(sources: list[Source], tokenizer: Tokenizer, *, errors: str, te
         if source.is_plain_text:
             texts = [(source.path, _text_start(Path(source.path), errors, limit))]
         else:
-            where = f"{HF_PREFIX}{source.path}" if source.format == "hf" else source.path
-            texts = ((f"document {number} of {where}", document) for number, document
+            name = f"{HF_PREFIX}{source.path}" if source.format == "hf" else source.path
+            texts = ((f"document {number} of {name}", document) for number, document
                      in enumerate(documents_of(source, tokenizer, text_field=text_field, errors=errors), 1))
         for where, text in texts:
             yield where, text[:limit]
