@@ -34,6 +34,8 @@ tiktoken's regex engine reads as ``regex`` does (tests check our split against t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from scratchlm.extras import require
@@ -41,6 +43,9 @@ from scratchlm.tokenizer.bpe import merge_table
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 from scratchlm.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import tiktoken
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -66,7 +71,7 @@ class TiktokenTokenizer(Tokenizer):
 class TiktokenBPE:
     """``bpe.PieceEncoder`` through ``tiktoken.Encoding.encode_ordinary`` (the GPT-2 regex and BPE, natively)."""
 
-    def __init__(self, encoding) -> None:
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
         self._encode_ordinary = encoding.encode_ordinary
 
     def encode(self, text: str, out: list[int]) -> None:
@@ -86,12 +91,12 @@ class TiktokenBPE:
         """Nothing to forget: tiktoken caches nothing."""
 
 
-def tiktoken_encoding(tokenizer: Tokenizer):
+def tiktoken_encoding(tokenizer: Tokenizer) -> tiktoken.Encoding:
     """A ``tiktoken.Encoding`` that gives ``tokenizer``'s ids: ranks are our ids (checked, see the module
     docstring), the pattern and the special tokens are ours. Needs the ``tiktoken`` package ([fast] extra)."""
-    tiktoken = require("tiktoken", "fast", "the tiktoken engine (--engine tiktoken)")
+    package = require("tiktoken", "fast", "the tiktoken engine (--engine tiktoken)")
     specials = {token: tokenizer.special_id(token) for token in tokenizer.special_tokens}
-    return tiktoken.Encoding(name=f"scratchlm-{tokenizer.hash[:16]}", pat_str=GPT2_SPLIT_PATTERN,
+    return package.Encoding(name=f"scratchlm-{tokenizer.hash[:16]}", pat_str=GPT2_SPLIT_PATTERN,
                              mergeable_ranks=mergeable_ranks(tokenizer), special_tokens=specials)
 
 
