@@ -3,6 +3,7 @@ complete-looking output, and the CLI reports compression."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,9 +11,11 @@ import pytest
 from conftest import require_shared
 from scratchlm.cli import main
 from scratchlm.data import encode as encode_module
-from scratchlm.data.encode import _plan_ranges, encode_corpus
+from scratchlm.data.encode import SAMPLE_CHARS, _first_texts, _plan_ranges, encode_corpus
+from scratchlm.data.sources import expand_inputs
 from scratchlm.data.token_file import open_token_file
 from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.fast.tiktoken_engine import TiktokenBPE
 
 EOT = "<|endoftext|>"
 # Whitespace runs that span lines, \r\n, specials next to text, emoji and CJK around the newlines chunks cut at.
@@ -178,3 +181,83 @@ def test_cli_rejects_bad_flags(tokenizer_dir, corpus, tmp_path):
             main(["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(corpus[0]), "--out",
                   str(tmp_path / "o.tok"), *extra])
         assert exit_info.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- --engine tiktoken
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_tiktoken_engine_writes_the_same_file(tokenizer, corpus, tmp_path, small_chunks, workers):
+    encode_corpus(tokenizer, corpus, tmp_path / "ours.tok", workers=workers)
+    encode_corpus(tokenizer, corpus, tmp_path / "tiktoken.tok", workers=workers, engine="tiktoken")
+    assert (tmp_path / "tiktoken.tok").read_bytes() == (tmp_path / "ours.tok").read_bytes()
+    assert open_token_file(tmp_path / "ours.tok").tokens.tolist() == _expected_ids(tokenizer, corpus)
+
+
+def test_the_tiktoken_engine_writes_the_same_files_from_documents(tokenizer, corpus, tmp_path):
+    """The document path, with a validation split: JSON lines whose texts hold special tokens, emoji, CJK."""
+    documents = tmp_path / "documents.jsonl"
+    text = corpus[0].read_text(encoding="utf-8")
+    documents.write_text("".join(json.dumps({"text": text[start:start + 997]}) + "\n"
+                                 for start in range(0, len(text), 997)), encoding="utf-8")
+    for engine in ("scratchlm", "tiktoken"):
+        encode_corpus(tokenizer, [documents], tmp_path / f"{engine}.tok", workers=2, val_out=tmp_path / f"{engine}.val",
+                      val_fraction=0.2, engine=engine)
+    for suffix in ("tok", "val"):
+        assert (tmp_path / f"tiktoken.{suffix}").read_bytes() == (tmp_path / f"scratchlm.{suffix}").read_bytes()
+
+
+def test_cli_engine_flag_gives_the_default_engines_file(tokenizer_dir, corpus, tmp_path):
+    argv = ["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", *map(str, corpus), "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "default.tok")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "tiktoken.tok"), "--engine", "tiktoken"]) == 0
+    assert (tmp_path / "tiktoken.tok").read_bytes() == (tmp_path / "default.tok").read_bytes()
+
+
+@pytest.fixture
+def upon_becomes_down(tokenizer, monkeypatch):
+    """tiktoken made to encode " upon" as " down": (upon id, down id)."""
+    (upon,), (down,) = tokenizer.encode(" upon"), tokenizer.encode(" down")
+    encode = TiktokenBPE.encode
+
+    def altered(self, text, out):
+        start = len(out)
+        encode(self, text, out)
+        out[start:] = [down if token == upon else token for token in out[start:]]
+
+    monkeypatch.setattr(TiktokenBPE, "encode", altered)
+    return upon, down
+
+
+def test_cli_refuses_an_engine_that_differs_in_one_line_and_writes_nothing(tokenizer_dir, tmp_path, capsys,
+                                                                          upon_becomes_down):
+    upon, down = upon_becomes_down
+    text_file = tmp_path / "story.txt"
+    text_file.write_text("Once upon a time there was a cat.\n" * 100, encoding="utf-8")
+    argv = ["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(text_file), "--out",
+            str(tmp_path / "out.tok"), "--engine", "tiktoken", "--workers", "2"]
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "error:" in error
+    assert (f"--engine tiktoken gives other ids than the tokenizer on {text_file}: token 1 (at byte 4) is "
+            f"{down} b' down' instead of {upon} b' upon'; encode with the default --engine scratchlm") in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["story.txt"]
+
+
+def test_a_difference_in_a_document_names_the_document(tokenizer, tmp_path, upon_becomes_down):
+    upon, down = upon_becomes_down
+    documents = tmp_path / "stories.jsonl"
+    documents.write_text('{"text": "Hello."}\n{"text": "And upon a hill"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"on document 2 of {re.escape(str(documents))}: token 1 \(at byte 3\) is "
+                                         rf"{down} b' down' instead of {upon} b' upon'"):
+        encode_corpus(tokenizer, [documents], tmp_path / "out.tok", engine="tiktoken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories.jsonl"]
+
+
+def test_the_engine_is_checked_on_the_first_megabyte_as_encoded(tokenizer, tmp_path):
+    """Whole documents and the beginning of a text file, cut at SAMPLE_CHARS characters in all."""
+    documents, big = tmp_path / "a.jsonl", tmp_path / "b.txt"
+    documents.write_text('{"text": "first"}\n{"text": "second 😀"}\n', encoding="utf-8")
+    big.write_text("wörd " * 500_000, encoding="utf-8")  # 3 MB, 2.5 M characters
+    texts = list(_first_texts(expand_inputs([documents, big]), tokenizer, errors="strict", text_field="text",
+                              limit=SAMPLE_CHARS))
+    assert texts == [(f"document 1 of {documents}", "first"), (f"document 2 of {documents}", "second 😀"),
+                     (str(big), ("wörd " * 500_000)[:SAMPLE_CHARS - len("first") - len("second 😀")])]

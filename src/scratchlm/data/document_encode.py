@@ -76,9 +76,8 @@ def encode_documents(tokenizer: Tokenizer, sources: list[Source], out: Path, *, 
                      progress: bool) -> DocumentCounts:
     """Encode every document of ``sources`` into ``out`` (and ``val_out``, the documents ``split`` selects)."""
     eot_id = tokenizer.special_id(END_OF_TEXT) if end_of_text else None
-    separator = END_OF_TEXT if END_OF_TEXT in tokenizer.special_tokens else None
     documents = (document for source in sources
-                 for document in read_documents(source, text_field=text_field, errors=errors, end_of_text=separator))
+                 for document in documents_of(source, tokenizer, text_field=text_field, errors=errors))
     batches = _batches(documents, split)
     with ExitStack() as stack:
         writers = {False: stack.enter_context(_writer(out, tokenizer))}
@@ -97,6 +96,13 @@ def encode_documents(tokenizer: Tokenizer, sources: list[Source], out: Path, *, 
         train_tokens = writers[False].num_tokens
         val_tokens = writers[True].num_tokens if val_out is not None else 0
     return DocumentCounts(train_tokens, val_tokens, counts[False], counts[True])
+
+
+def documents_of(source: Source, tokenizer: Tokenizer, *, text_field: str, errors: str) -> Iterator[str]:
+    """The documents of one source as they are encoded: a text file is cut after each end-of-text token when the
+    tokenizer has that token (the cut changes no id: a special token ends a piece anyway)."""
+    separator = END_OF_TEXT if END_OF_TEXT in tokenizer.special_tokens else None
+    return read_documents(source, text_field=text_field, errors=errors, end_of_text=separator)
 
 
 def _writer(path: Path, tokenizer: Tokenizer) -> TokenFileWriter:
