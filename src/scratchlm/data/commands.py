@@ -29,7 +29,8 @@ def _register_encode(actions) -> None:
                     "fits, else uint32) that records the vocab size and the tokenizer's hash. Inputs: .txt, "
                     ".jsonl/.json, .parquet (optionally .gz/.zst), folders and globs of those, and hf:NAME[:CONFIG]"
                     "[:SPLIT] datasets. Each document ends with <|endoftext|>. Encoded in order, in parallel "
-                    "processes and constant memory; the output appears only when complete. See docs/tokenizer-encoding.md.")
+                    "processes and constant memory; the output appears only when complete. See "
+                    "docs/tokenizer-encoding.md.")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="tokenizer directory (from `scratchlm tokenizer train`, a Hugging Face tokenizer.json "
                              "folder, or GPT-2 vocab.json+merges.txt)")
