@@ -3,10 +3,11 @@
 Every training step allocates the same large buffers (the logits alone are batch x context x vocab floats, 64 MB
 for the modern recipe) and frees them again. glibc's malloc serves such blocks with a fresh ``mmap`` and hands
 them back with ``munmap`` (and trims the top of its heap back to the OS), so the next step page-faults every page
-in again and the kernel zeroes it: on the 2-core development machine that is 15-20% system time and ~20% of the
-step (1.75 -> 1.35 s a step; docs/benchmarks.md, "allocator"). Asking malloc never to use ``mmap`` and never to
-trim keeps those pages in the process for the next step. The peak memory is unchanged (it is one step's); it is
-just not returned between steps.
+in again and the kernel zeroes it: on the 2-core development machine that is ~15% system time and ~20% of the
+step (1.48 -> 1.17 s a step on a quiet machine; docs/benchmarks.md, "allocator"). Asking malloc never to use
+``mmap`` and never to trim keeps those pages in the process for the next step. The cost is memory: freed blocks
+are reused from the heap rather than returned, and its fragmentation raised the peak RSS by ~20% (1.28 -> 1.54 GB)
+on that recipe.
 
 Wins on: CPU training with glibc (Linux). CUDA memory has PyTorch's own caching allocator, and other C libraries
 (macOS, musl, Windows) are left alone: there ``keep_freed_memory`` does nothing and training takes the default
