@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import require_shared
+from document_files import write_jsonl, write_parquet, write_zst
 from scratchlm.cli import main
 from scratchlm.data.encode import encode_corpus
 from scratchlm.data.sources import expand_inputs, parse_hf_spec, read_documents, source_of
@@ -38,28 +39,9 @@ def _ids(path):
     return open_token_file(path).tokens.tolist()
 
 
-def _write_jsonl(path, documents, field="text", opener=open):
-    with opener(path, "wt", encoding="utf-8") as handle:
-        for index, document in enumerate(documents):
-            handle.write(json.dumps({"id": index, field: document}) + "\n")
-    return path
-
-
-def _write_zst(path, data: bytes):
-    zstandard = pytest.importorskip("zstandard")
-    path.write_bytes(zstandard.ZstdCompressor().compress(data))
-    return path
-
-
-def _write_parquet(path, documents, column="text"):
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({"id": list(range(len(documents))), column: documents}), path, row_group_size=3)
-    return path
-
-
 def _write_folder(folder, documents):
     folder.mkdir()
-    _write_jsonl(folder / "0.jsonl", documents[:3])
+    write_jsonl(folder / "0.jsonl", documents[:3])
     (folder / "sub").mkdir()
     _write_text(folder / "sub" / "1.txt", documents[3:])
     (folder / "notes.csv").write_text("not an input: unknown suffixes in folders are skipped")
@@ -67,8 +49,8 @@ def _write_folder(folder, documents):
 
 
 def _write_glob(folder, documents):
-    _write_jsonl(folder / "g0.jsonl", documents[:5])
-    _write_jsonl(folder / "g1.jsonl", documents[5:])
+    write_jsonl(folder / "g0.jsonl", documents[:5])
+    write_jsonl(folder / "g1.jsonl", documents[5:])
     return str(folder / "g*.jsonl")
 
 
@@ -80,13 +62,13 @@ def _write_bytes(path, data: bytes):
 FORMATS = {
     "txt": lambda d, docs: _write_text(d / "c.txt", docs),
     "txt.gz": lambda d, docs: _write_bytes(d / "c.txt.gz", gzip.compress(_joined(docs).encode())),
-    "jsonl": lambda d, docs: _write_jsonl(d / "c.jsonl", docs),
-    "jsonl.gz": lambda d, docs: _write_jsonl(d / "c.jsonl.gz", docs, opener=gzip.open),
-    "jsonl.zst": lambda d, docs: _write_zst(d / "c.jsonl.zst", "".join(json.dumps({"text": x}) + "\n"
+    "jsonl": lambda d, docs: write_jsonl(d / "c.jsonl", docs),
+    "jsonl.gz": lambda d, docs: write_jsonl(d / "c.jsonl.gz", docs, opener=gzip.open),
+    "jsonl.zst": lambda d, docs: write_zst(d / "c.jsonl.zst", "".join(json.dumps({"text": x}) + "\n"
                                                                       for x in docs).encode()),
     "json": lambda d, docs: _write_bytes(d / "c.json", json.dumps([{"text": x} for x in docs]).encode()),
-    "json-lines": lambda d, docs: _write_jsonl(d / "c.json", docs),
-    "parquet": lambda d, docs: _write_parquet(d / "c.parquet", docs),
+    "json-lines": lambda d, docs: write_jsonl(d / "c.json", docs),
+    "parquet": lambda d, docs: write_parquet(d / "c.parquet", docs),
     "folder": lambda d, docs: _write_folder(d / "f", docs),
     "glob": _write_glob,
 }
@@ -120,7 +102,7 @@ def test_hf_dataset_saved_to_disk(tokenizer, tmp_path):
 def test_hf_dataset_of_a_local_parquet_folder(tokenizer, tmp_path):
     pytest.importorskip("datasets")
     (tmp_path / "pq").mkdir()
-    _write_parquet(tmp_path / "pq" / "train.parquet", DOCUMENTS)
+    write_parquet(tmp_path / "pq" / "train.parquet", DOCUMENTS)
     encode_corpus(tokenizer, [f"hf:{tmp_path / 'pq'}"], tmp_path / "b.tok", workers=1)
     assert _ids(tmp_path / "b.tok") == _expected(tokenizer, DOCUMENTS)
 
@@ -162,7 +144,7 @@ def test_end_of_text_separates_files_and_documents_once(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_validation_split_takes_whole_documents(tokenizer, tmp_path, workers):
-    source = _write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
+    source = write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
     stats = encode_corpus(tokenizer, [source], tmp_path / "t.tok", val_out=tmp_path / "v.tok", val_fraction=0.25,
                           workers=workers)
     val_docs = [DOCUMENTS[3], DOCUMENTS[7]]  # evenly spaced: documents 3 and 7 of 8
@@ -176,7 +158,7 @@ def test_validation_split_takes_whole_documents(tokenizer, tmp_path, workers):
 
 
 def test_validation_split_that_selects_nothing_is_refused(tokenizer, tmp_path):
-    source = _write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
+    source = write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
     with pytest.raises(ValueError, match="--val-fraction 0.1 selects none of the 8 documents"):
         encode_corpus(tokenizer, [source], tmp_path / "t.tok", val_out=tmp_path / "v.tok", val_fraction=0.1)
     assert not (tmp_path / "t.tok").exists() and not (tmp_path / "v.tok").exists()
@@ -184,7 +166,7 @@ def test_validation_split_that_selects_nothing_is_refused(tokenizer, tmp_path):
 
 def test_cli_writes_validation_file_beside_the_train_file(tokenizer, tmp_path, capsys):
     tokenizer_dir = tokenizer.save(tmp_path / "tok")
-    source = _write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
+    source = write_jsonl(tmp_path / "c.jsonl", DOCUMENTS)
     assert main(["data", "encode", "--tokenizer", str(tokenizer_dir), "--input", str(source), "--out",
                  str(tmp_path / "train.tok"), "--val-docs", "1", "--workers", "1"]) == 0
     assert "validation" in capsys.readouterr().out
@@ -216,7 +198,7 @@ def test_bad_record_is_one_cli_line_naming_file_and_line(tokenizer, tmp_path, ca
 
 
 def test_bad_parquet_column_and_row_are_named(tokenizer, tmp_path):
-    path = _write_parquet(tmp_path / "c.parquet", ["a", None, "c"])
+    path = write_parquet(tmp_path / "c.parquet", ["a", None, "c"])
     with pytest.raises(ValueError, match=r"c\.parquet: no column 'body' \(columns: 'id', 'text'\)"):
         encode_corpus(tokenizer, [path], tmp_path / "o.tok", text_field="body")
     with pytest.raises(ValueError, match=r"c\.parquet: row 1: field 'text' is null, not text"):

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from document_files import write_jsonl, write_parquet, write_zst
 from scratchlm.cli import main
 from scratchlm.data import sources
 from scratchlm.data.sources import Source, source_of
@@ -56,25 +57,6 @@ def expected_merges(documents: list[str], special_tokens: list[str]) -> list[tup
     """The reference trainer's merges on the plain text of the documents, <|endoftext|> between them."""
     counts = reference_pretoken_counts(joined(documents), special_tokens)
     return reference_train_from_counts(counts, VOCAB, special_tokens)[1]
-
-
-def write_jsonl(path, documents, field="text", opener=open):
-    with opener(path, "wt", encoding="utf-8") as handle:
-        for index, document in enumerate(documents):
-            handle.write(json.dumps({"id": index, field: document}) + "\n")
-    return path
-
-
-def write_zst(path, data: bytes):
-    zstandard = pytest.importorskip("zstandard")
-    path.write_bytes(zstandard.ZstdCompressor().compress(data))
-    return path
-
-
-def write_parquet(path, documents, column="text"):
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({column: documents}), path, row_group_size=7)
-    return path
 
 
 def write_text(path, documents):
@@ -114,7 +96,7 @@ FORMATS = {
     "jsonl.zst": lambda d, docs: write_zst(d / "c.jsonl.zst", "".join(json.dumps({"text": x}) + "\n"
                                                                       for x in docs).encode()),
     "json array": lambda d, docs: write_bytes(d / "c.json", json.dumps([{"text": x} for x in docs]).encode()),
-    "parquet": lambda d, docs: write_parquet(d / "c.parquet", docs),
+    "parquet": lambda d, docs: write_parquet(d / "c.parquet", docs, row_group_size=7),
     "txt.gz": lambda d, docs: write_bytes(d / "c.txt.gz", gzip.compress(joined(docs).encode())),
     "txt.zst": lambda d, docs: write_zst(d / "c.txt.zst", joined(docs).encode()),
     "folder": lambda d, docs: write_folder(d / "f", docs),
