@@ -212,7 +212,7 @@ BAD_INPUTS = {
     "not text": ("c.jsonl", lambda t: GOOD_LINES + b'{"text": 5}\n', [], r"c\.jsonl:41: field 'text' is a int"),
     "malformed": ("c.jsonl", lambda t: GOOD_LINES + b'{"text": \n', [], r"c\.jsonl:41: malformed JSON"),
     "wrong column": ("c.parquet", lambda t: _parquet_bytes(t, ["a", "b"]), ["--text-field", "body"],
-                     r"c\.parquet: no column 'body' \(columns: 'text'\); choose one with --text-field"),
+                     r"c\.parquet: no column 'body' \(columns: 'id', 'text'\); choose one with --text-field"),
     "null row": ("c.parquet", lambda t: _parquet_bytes(t, ["the cat sat"] * 40 + [None]), [],
                  r"c\.parquet: row 40: field 'text' is null, not text"),
 }
