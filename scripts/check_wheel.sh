@@ -89,7 +89,8 @@ for part in 1 2 3; do
         echo "{\"id\": $i, \"text\": \"Story $part.$i: the small fox found $((i % 7)) red apples.\\nThen it slept.\"}"
     done >"docs/part-$part.jsonl"
 done
-"$SCRATCHLM" tokenizer train --input docs --text-field text --vocab-size 300 --out tok2 --quiet
+"$SCRATCHLM" tokenizer train --input docs --text-field text --vocab-size 300 --special-token '<|endoftext|>' \
+    --out tok2 --quiet
 "$SCRATCHLM" data encode --tokenizer tok2 --input docs --text-field text --val-fraction 0.1 --out docs.tok --quiet
 "$SCRATCHLM" train --config tiny.toml --set data.tokenizer=tok2 --set data.train_path=docs.tok \
     --set data.val_path=docs.val.tok --set train.run_dir=run2 --set train.tensorboard=true --quiet 2>/dev/null
