@@ -63,19 +63,13 @@ def _must_be_clear(error: Exception, path: Path) -> None:
     assert str(path.parent) in str(error) or str(path) in str(error), f"error does not name the file: {error}"
 
 
-@FUZZ
-@given(data=mutated(SEEDS["scratchlm-tokenizer.json"]))
-def test_tokenizer_load_of_a_mutated_scratchlm_file(tmp_path_factory, data):
-    _load_mutated(tmp_path_factory, "scratchlm-tokenizer.json", data)
+TOKENIZER_FILES = ("scratchlm-tokenizer.json", "tokenizer.json")  # ours, and Hugging Face's
 
 
-@FUZZ
-@given(data=mutated(SEEDS["tokenizer.json"]))
-def test_tokenizer_load_of_a_mutated_hugging_face_tokenizer_json(tmp_path_factory, data):
-    _load_mutated(tmp_path_factory, "tokenizer.json", data)
-
-
-def _load_mutated(tmp_path_factory, name: str, data: bytes) -> None:
+@settings(FUZZ, max_examples=2 * FUZZ.max_examples)  # both files, as many mutations each as before
+@given(case=st.sampled_from(TOKENIZER_FILES).flatmap(lambda name: st.tuples(st.just(name), mutated(SEEDS[name]))))
+def test_tokenizer_load_of_a_mutated_tokenizer_file(tmp_path_factory, case):
+    name, data = case
     folder = tmp_path_factory.mktemp("tok")
     (folder / name).write_bytes(data)
     try:
