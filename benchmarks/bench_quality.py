@@ -20,7 +20,8 @@ Learning curves: each side is evaluated on a small fixed slice of the validation
 is left out of the training clock) and plotted against training wall-clock; ours' come from its metrics.jsonl.
 
     .venv/bin/python benchmarks/bench_quality.py --minutes 5 [--out DIR] [--ours-config RECIPE] \
-        [--ours-vocab 10000] [--set SECTION.KEY=VALUE ...] [--threads 2] [--skip-rival1] [--skip-rival2]
+        [--ours-vocab 10000] [--set SECTION.KEY=VALUE ...] [--variant NAME:SECTION.KEY=VALUE,...] [--threads 2]
+        [--skip-rival1] [--skip-rival2]
 
 Writes results.json, results.md and curves.png into --out and prints the table. Tokenizers and token files
 already in --out are reused (they are not part of the training budget).
@@ -163,14 +164,15 @@ def prepare_ours(out: Path, train_txt: Path, valid_txt: Path, vocab: int, thread
     return tokenizer, train_tok, valid_tok
 
 
-def run_ours(args: argparse.Namespace, out: Path, train_txt: Path,
-             valid_txt: Path) -> tuple[Side, RunConfig, Path, Path]:
+def run_ours(args: argparse.Namespace, out: Path, train_txt: Path, valid_txt: Path, name: str = "ours",
+             variant: tuple[str, ...] = ()) -> tuple[Side, RunConfig, Path, Path]:
+    """Ours, or (``variant``: overrides on top of ours') a variant of ours trained on the same token files."""
     tokenizer_dir, train_tok, valid_tok = prepare_ours(out, train_txt, valid_txt, args.ours_vocab, args.threads)
-    run_dir = out / "ours-run"
+    run_dir = out / ("ours-run" if name == "ours" else f"variant-{name}-run")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (this folder is ours alone)
     overrides = [f"data.train_path={train_tok.resolve()}", f"data.val_path={valid_tok.resolve()}",
                  f"data.tokenizer={tokenizer_dir.resolve()}", f"model.vocab_size={args.ours_vocab}",
-                 "train.device=cpu", *args.overrides]
+                 "train.device=cpu", *args.overrides, *variant]
     meter = LoadMeter(args.threads)
     run_command(ours_train_argv(args.ours_config, args.minutes, run_dir, overrides, args.ours_steps), args.threads)
     load = meter.stop()
@@ -182,7 +184,8 @@ def run_ours(args: argparse.Namespace, out: Path, train_txt: Path,
     tokenizer = Tokenizer.load(tokenizer_dir)
     byte_lengths = token_byte_lengths(tokenizer)
     valid = open_token_file(valid_tok).tokens
-    side = Side("ours", f"scratchlm, `{display_path(args.ours_config)}`",
+    description = f"scratchlm, `{display_path(args.ours_config)}`" + "".join(f" `{v}`" for v in variant)
+    side = Side(name, description,
                 parameters=sum(p.numel() for p in model.parameters()), steps=last_train["step"],
                 tokens_seen=last_train["tokens"], train_seconds=clock(last_train["step"]), load=load)
     side.epochs = side.tokens_seen / len(open_token_file(train_tok).tokens)
@@ -456,6 +459,9 @@ def main() -> int:
     parser.add_argument("--ours-steps", type=int, help="development: train ours for N steps instead of --budget")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.KEY=VALUE",
                         help="extra override for ours' `scratchlm train` (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
+                        help="also train a variant of ours, side by side: ours' recipe with these overrides "
+                             "(repeatable; e.g. exportable:model.ffn=swiglu,model.d_ff=null,model.logit_softcap=0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-rival1", action="store_true", help="development: leave rival 1 out")
     parser.add_argument("--skip-rival2", action="store_true", help="development: leave rival 2 out")
@@ -479,6 +485,8 @@ def main() -> int:
 
     ours, config, tokenizer_dir, train_tok = run_ours(args, out, train_txt, valid_txt)
     sides = [ours]
+    for name, _, sets in (variant.partition(":") for variant in args.variant):
+        sides.append(run_ours(args, out, train_txt, valid_txt, name, tuple(sets.split(",")))[0])
     if not args.skip_rival1:
         sides.append(run_rival1(args, out, train_txt, valid_txt))
     if not args.skip_rival2:
