@@ -461,7 +461,7 @@ def main() -> int:
                         help="extra override for ours' `scratchlm train` (repeatable)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE[,...]",
                         help="also train a variant of ours, side by side: ours' recipe with these overrides "
-                             "(repeatable; e.g. exportable:model.ffn=swiglu,model.d_ff=null,model.logit_softcap=0)")
+                             "(repeatable; e.g. relu2:model.ffn=relu2,model.d_ff=1024)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-rival1", action="store_true", help="development: leave rival 1 out")
     parser.add_argument("--skip-rival2", action="store_true", help="development: leave rival 2 out")
