@@ -23,8 +23,8 @@ import pytest
 
 from scratchlm.cli import main
 from scratchlm.experiments.curves import DYNAMICS_PANELS, TRAINING_PANELS, curves_figure, panel_axes
-from scratchlm.experiments.report import config_diff, write_report
-from scratchlm.experiments.runs import RunRecord, load_run, read_metrics, run_status
+from scratchlm.experiments.report import write_report
+from scratchlm.experiments.runs import RunRecord, config_diff, load_run, read_metrics, run_status
 from scratchlm.experiments.sweep import Axis, SweepSpec, summarize, sweep_points, write_summary
 from scratchlm.experiments.sweep_plot import load_sweep, sweep_figure
 

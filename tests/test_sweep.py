@@ -177,8 +177,7 @@ ABLATIONS = {"no-rmsnorm": {"model.norm": ("rmsnorm", "none")},
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_ablation_presets_are_small_diffs_of_the_base(name):
     from scratchlm.config import load_config
-    from scratchlm.experiments.report import config_diff
-    from scratchlm.experiments.runs import flatten
+    from scratchlm.experiments.runs import config_diff, flatten
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     base = flatten(load_config(configs / "tinystories-cpu.toml").to_dict())

@@ -21,14 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scratchlm.experiments.curves import plot_curves, png_bytes
-from scratchlm.experiments.runs import RunRecord, load_run
-
-# Keys that differ between any two runs by construction (where each run writes), never an experimental change.
-# data.tokenizer_hash: recorded by train (a resolved sweep point has none yet); data.tokenizer: a run's config
-# names its own copy (RUN/tokenizer), a resolved sweep point the original (train checks that their hashes agree).
-IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name", "data.tokenizer_hash",
-                               "data.tokenizer"})
-MISSING = "(unset)"
+from scratchlm.experiments.runs import IGNORED_DIFF_KEYS, RunRecord, config_diff, load_run
 
 
 @dataclass
@@ -48,13 +41,6 @@ class Row:
     is_baseline: bool
     delta: float  # final val loss minus the baseline's (nan when either is missing)
     diff: dict[str, tuple[Any, Any]]  # key -> (baseline value, this run's value)
-
-
-def config_diff(run: dict[str, Any], baseline: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Changed keys only: {"model.norm": ("rmsnorm", "none")}; keys present on one side show as (unset)."""
-    keys = sorted((set(run) | set(baseline)) - IGNORED_DIFF_KEYS)
-    pairs = {k: (baseline.get(k, MISSING), run.get(k, MISSING)) for k in keys}
-    return {k: (old, new) for k, (old, new) in pairs.items() if old != new}
 
 
 def unique_names(paths: list[Path]) -> list[str]:

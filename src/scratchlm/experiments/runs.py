@@ -107,6 +107,21 @@ def _safe_exp(value: float) -> float:
     return math.exp(value) if value < 700 else math.inf
 
 
+# Keys that differ between any two runs by construction (where each run writes), never an experimental change.
+# data.tokenizer_hash: recorded by train (a resolved sweep point has none yet); data.tokenizer: a run's config
+# names its own copy (RUN/tokenizer), a resolved sweep point the original (train checks that their hashes agree).
+IGNORED_DIFF_KEYS = frozenset({"train.out_dir", "train.run_dir", "train.run_name", "train.name", "data.tokenizer_hash",
+                               "data.tokenizer"})
+MISSING = "(unset)"
+
+
+def config_diff(run: dict[str, Any], baseline: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Changed keys only: {"model.norm": ("rmsnorm", "none")}; keys present on one side show as (unset)."""
+    keys = sorted((set(run) | set(baseline)) - IGNORED_DIFF_KEYS)
+    pairs = {k: (baseline.get(k, MISSING), run.get(k, MISSING)) for k in keys}
+    return {k: (old, new) for k, (old, new) in pairs.items() if old != new}
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: the dotted names users type in overrides."""
     flat: dict[str, Any] = {}

@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scratchlm.experiments.runs import CONFIG_FILE, DONE_STATUSES, METRICS_FILE, flatten, load_run, run_status
+from scratchlm.experiments.runs import (
+    CONFIG_FILE,
+    DONE_STATUSES,
+    METRICS_FILE,
+    config_diff,
+    flatten,
+    load_run,
+    run_status,
+)
 
 SUMMARY_FILE = "sweep.json"
 _SAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9.+-]")
@@ -126,7 +134,6 @@ def point_config(spec: SweepSpec, point: SweepPoint) -> Any:
 def check_unchanged(run_dir: Path, point: SweepPoint, config: Any) -> None:
     """Refuse a started point whose RUN_DIR/config.toml differs from the config this sweep now resolves for it."""
     from scratchlm.config import load_config
-    from scratchlm.experiments.report import config_diff
 
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.exists():
