@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scratchlm.data import encode as range_encode
+from scratchlm.data.encode_workers import init_worker, worker_tokenizer
 from scratchlm.data.sources import END_OF_TEXT, Source, read_documents
 from scratchlm.data.token_file import TokenFileWriter
 from scratchlm.progress import progress_bar
@@ -137,7 +137,7 @@ def _encoded(tokenizer: Tokenizer, batches: Iterator[tuple[bool, list[str]]], wo
                 bar.update(len(documents))
             return
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=range_encode.init_worker,
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker,
                                  initargs=(tokenizer, os.getpid())) as pool:
             pending: deque = deque()
             try:
@@ -162,7 +162,7 @@ def _finished(entry: tuple, bar) -> tuple[bool, int, np.ndarray]:
 
 
 def _encode_batch_in_worker(documents: list[str], eot_id: int | None) -> np.ndarray:
-    return encode_batch(range_encode.worker_tokenizer(), documents, eot_id)
+    return encode_batch(worker_tokenizer(), documents, eot_id)
 
 
 def encode_batch(tokenizer: Tokenizer, documents: list[str], eot_id: int | None) -> np.ndarray:

@@ -33,15 +33,11 @@ output is written, naming where.
 from __future__ import annotations
 
 import codecs
-import ctypes
-import gc
 import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -49,6 +45,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+from scratchlm.data.encode_workers import init_worker, worker_tokenizer
 from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, expand_inputs
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
@@ -239,43 +236,6 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 raise
     finally:
         bar.close()
-
-
-_WORKER_TOKENIZER: Tokenizer | None = None
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def init_worker(tokenizer: Tokenizer, parent: int) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
-    _die_with_parent(parent)
-    # A worker's objects are the tokenizer's caches (str -> tuple of ints) and id lists: no reference cycles,
-    # so the cyclic collector would only re-scan the growing caches (~3% of an encode, measured).
-    gc.disable()
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker ends when the encode that started it dies, even by SIGKILL (which runs no clean-up): otherwise
-    it would wait on the task queue forever. Linux: the kernel sends SIGKILL (PR_SET_PDEATHSIG); elsewhere a
-    daemon thread notices the new parent pid within a second."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent:  # the parent died before the prctl took effect
-                os._exit(1)
-            return
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def worker_tokenizer() -> Tokenizer:
-    assert _WORKER_TOKENIZER is not None, "worker started without a tokenizer"
-    return _WORKER_TOKENIZER
 
 
 def _encode_range_in_worker(task: _Task) -> _Task:
