@@ -280,7 +280,7 @@ def test_num_parameters_matches_closed_formula():
 
 # The switches of pretrained checkpoints: grouped-query attention, head_dim, q/k/v biases, llama3 RoPE scaling.
 GQA = dict(num_kv_heads=2, head_dim=24, qkv_bias=True, qk_norm=True)
-LLAMA3 = dict(rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=16, rope_high_freq_factor=2.0)
+LLAMA3 = dict(rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32)  # every band in use
 
 
 def _randomize_biases(model: TransformerLM) -> TransformerLM:
@@ -401,3 +401,13 @@ def test_config_rejects_bad_new_switches(overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.preset("tiny", **overrides)
     assert ModelConfig.preset("tiny", head_dim=15, position="nope").head_dim == 15  # odd is fine without RoPE
+
+
+def test_llama3_scaling_reaches_every_rope_table():
+    from scratchlm.model.attention import Llama3Scaling
+
+    scaled, plain = _model(**LLAMA3), _model()
+    for layer, unscaled in zip(scaled.layers, plain.layers):
+        assert layer.attn.rope.scaling == Llama3Scaling(4.0, 1.0, 4.0, 32) and unscaled.attn.rope.scaling is None
+        assert_close(layer.attn.rope.cos[:, 0], unscaled.attn.rope.cos[:, 0])  # the shortest wavelength is kept
+        assert_close(layer.attn.rope.cos[:, -1], (torch.arange(32.0) * 10_000 ** -(14 / 16) / 4).cos())  # divided
