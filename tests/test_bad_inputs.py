@@ -182,6 +182,16 @@ DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/va
     (["--run-dir", "{T}/run", "--resume", "--set", "data.train_path={T}/moved/train.tok"],  # a run moved alone
      "data.train_path: token file {T}/moved/train.tok does not exist (to train on, a moved or copied run needs "
      "--set data.train_path=FILE)", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/missing"], "train.init_from {T}/missing does not exist",
+     None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/notes.txt"], "train.init_from {T}/notes.txt is a file",
+     None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/docs"], "is a folder with neither checkpoints/", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/export"], "{T}/export/config.json: model_type", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/run", "--set", "model.d_model=32"],
+     "model.d_model = 32 conflicts with the model of train.init_from {T}/run (d_model = 64)", None),
+    ([*DATA, "--run-dir", "{T}/new/run", "--init-from", "{T}/hf", "--set", "data.tokenizer={T}/tokB"],
+     "data.tokenizer {T}/tokB is tokenizer", None),  # the exported folder's tokenizer.json is tokA
 ])
 def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]

@@ -125,6 +125,7 @@ class TrainConfig:
     keep_last: int = 3
     seed: int = 0  # seeds the initialization and the batch sampler
     run_dir: str = "runs/run"
+    init_from: str | None = None  # start from these weights (a run, a checkpoint, a Hugging Face folder): init_from.py
     max_loss: float | None = None  # a train loss above this counts as divergence (non-finite always does)
     wandb: bool = False  # log to Weights & Biases (the [tracking] extra); RUN/wandb_id makes a resume continue it
     wandb_project: str = "scratchlm"
@@ -147,7 +148,8 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
-PATH_KEYS = {"data": ("train_path", "val_path", "tokenizer")}  # resolved against the defining TOML's folder
+PATH_KEYS = {"data": ("train_path", "val_path", "tokenizer"),  # resolved against the defining TOML's folder
+             "train": ("init_from",)}
 
 
 @dataclass
@@ -314,6 +316,14 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> None:
             values["model"] = {}
         values.setdefault(section, {})[key] = parse_value(raw.strip(), types_[key], f"{section}.{key}")
     _resolve_paths(values, Path.cwd())  # a path typed on the command line is relative to where it was typed
+
+
+def stated_values(overrides: list[str], section: str) -> dict[str, Any]:
+    """The values ``overrides`` set in one section, parsed as ``apply_overrides`` parses them (the fields a user
+    stated on the command line: train.init_from refuses a ``--set model.*`` that is not the source's)."""
+    values: dict[str, Any] = {}
+    apply_overrides(values, [item for item in overrides if item.partition("=")[0].strip().partition(".")[0] == section])
+    return values.get(section, {})
 
 
 def parse_value(raw: str, annotation: Any, name: str) -> Any:

@@ -1,8 +1,8 @@
 """`scratchlm train` (a run from a TOML config) and `scratchlm eval` (loss and perplexity of a checkpoint).
 
 The flags here are only the handful people change per invocation; everything else is a config field reached
-with ``--set section.key=value``. ``--device``, ``--compile`` and ``--run-dir`` are shorthands that become
-``--set`` overrides, so there is exactly one override path (config.py).
+with ``--set section.key=value``. ``--device``, ``--compile``, ``--run-dir``, ``--budget`` and ``--init-from`` are
+shorthands that become ``--set`` overrides, so there is exactly one override path (config.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ TRAIN_EPILOG = """examples:
   scratchlm train --run-dir runs/lr3e-3 --resume          # continue from the newest valid checkpoint
   scratchlm train --run-dir moved/run --resume --set data.train_path=t.tok --set data.val_path=v.tok  # moved run
   scratchlm train --config configs/recipes/modern.toml --budget 25m   # the best model 25 minutes buy here
+  scratchlm train --config configs/recipes/modern.toml --init-from base --budget 10m \
+      --set data.train_path=train.tok --set data.val_path=train.val.tok   # fine-tune the weights of run `base`
 exit status: 0 finished, 1 diverged or bad input, 130 interrupted (a checkpoint was saved)."""
 
 EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
@@ -40,6 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--budget", metavar="DURATION",
                        help="train for a time budget (25m, 1.5h, 900s, 900): the steps are planned from a measured "
                             "step; shorthand for --set train.budget_seconds=SECONDS")
+    train.add_argument("--init-from", metavar="PATH",
+                       help="start from the weights, model config and tokenizer of a run, a checkpoint or a Hugging "
+                            "Face model folder, with a fresh optimizer, schedule and budget (the config's [model] "
+                            "table is not used); shorthand for --set train.init_from=PATH")
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     train.set_defaults(func=run_train)
 
@@ -87,11 +93,13 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
         from scratchlm.train.budget import parse_duration
 
         overrides.append(f"train.budget_seconds={parse_duration(args.budget)}")
+    if args.init_from:
+        overrides.append(f"train.init_from={args.init_from}")
     return overrides
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from scratchlm.config import load_config
+    from scratchlm.config import load_config, stated_values
     from scratchlm.errors import UserError
     from scratchlm.train import distributed
     from scratchlm.train.trainer import CONFIG_FILE, train
@@ -106,7 +114,8 @@ def run_train(args: argparse.Namespace) -> int:
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
-        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device)
+        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
+                       model_overrides=stated_values(args.overrides, "model"))  # what --init-from checks
     if result.status != "finished":
         print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
     elif not quiet:

@@ -115,14 +115,22 @@ def _tokenizer_vocab_size(config: RunConfig) -> tuple[int, str] | None:
     return None
 
 
+def run_tokenizer_dir(checkpoint: Path, config: RunConfig) -> Path | None:
+    """The run's tokenizer directory: its copy (RUN/tokenizer), else data.tokenizer; None when it names none."""
+    from scratchlm.train.checkpoint import run_dir_of
+
+    copy = run_dir_of(checkpoint) / RUN_TOKENIZER_DIR
+    if copy.is_dir():
+        return copy
+    return Path(config.data.tokenizer) if config.data.tokenizer else None
+
+
 def tokenizer_for_run(checkpoint: Path, config: RunConfig, given: Path | None):
     """The tokenizer to decode or export a run with: ``given`` (--tokenizer), else the run's copy, else
     data.tokenizer; refused when its hash is not the run's recorded one."""
     from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.train.checkpoint import run_dir_of
 
-    copy = run_dir_of(checkpoint) / RUN_TOKENIZER_DIR
-    directory = given or (copy if copy.is_dir() else config.data.tokenizer)
+    directory = given or run_tokenizer_dir(checkpoint, config)
     if directory is None:
         raise UserError(f"the run at {checkpoint} records no tokenizer (data.tokenizer); pass --tokenizer DIR")
     if not Path(directory).is_dir():

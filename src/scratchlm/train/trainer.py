@@ -20,6 +20,8 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 - A time budget (train.budget_seconds) is planned before the run from a measured step (budget.py); the loop
   still stops at the budget, through the same path as the last step (final evaluation, checkpoint), if the
   machine slows down. A resumed run keeps its plan and the budget time it had used.
+- train.init_from starts from existing weights (init_from.py): the model comes from where the weights come from,
+  the source on a fresh start, the run's own checkpoints on resume (the source is then not read again).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +47,8 @@ from scratchlm.data.batches import BatchSampler
 from scratchlm.train import distributed
 from scratchlm.train.allocator import keep_freed_memory
 from scratchlm.train.budget import BudgetClock, plan_budget
+from scratchlm.train.checkpoint import CheckpointManager
+from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
@@ -146,12 +150,14 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 @locks_run  # one trainer per run directory (run_lock.py)
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
-          device: torch.device | None = None) -> TrainResult:
+          device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None) -> TrainResult:
     """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
     docstring.
 
     ``device`` (a torchrun rank's GPU, from ``distributed.launch``) overrides train.device, which stays as given
     in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
+    ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
+    model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
     """
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
@@ -163,15 +169,34 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         keep_freed_memory()  # allocator.py: ~20% of a CPU step is page faults otherwise
     if is_main_process:
         prepare_run_dir(run_dir, resume)
+    config, source = _starting_point(config, run_dir, resume, model_overrides)
+    if source is not None and is_main_process and not quiet:
+        print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
+              file=sys.stderr, flush=True)
     config = bind_vocab_size(config)  # model.vocab_size: the tokenizer's unless set (tokenizer_identity.py)
     config = _planned(config, run_dir, resume, quiet or not is_main_process)
     default_threads = torch.get_num_threads()
     if config.train.threads is not None:
         torch.set_num_threads(config.train.threads)
     try:
-        return _train(config, resume, quiet, wrap, device, rank, world_size)
+        return _train(config, resume, quiet, wrap, device, rank, world_size, source)
     finally:
         torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
+
+
+def _starting_point(config: RunConfig, run_dir: Path, resume: bool,
+                    model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, InitSource | None]:
+    """With train.init_from: the config with the model (and tokenizer) of the weights the run starts from, and the
+    source to load them from; a resume of a run that has checkpoints takes its own model and reads no source."""
+    if not config.train.init_from:
+        return config, None
+    if resume and CheckpointManager(run_dir).checkpoints():
+        saved = run_dir / CONFIG_FILE
+        if saved.is_file():  # else _restore compares config.model with the checkpoint's
+            config = with_model(config, load_config(saved).model, f"run {run_dir}", model_overrides)
+        return config, None
+    source = open_source(config.train.init_from)
+    return adopt(config, source, model_overrides), source
 
 
 def _planned(config: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> RunConfig:
@@ -201,9 +226,7 @@ def _planned(config: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> Run
 
 
 def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
-           device: torch.device, rank: int, world_size: int) -> TrainResult:
-    from scratchlm.train.checkpoint import CheckpointManager
-
+           device: torch.device, rank: int, world_size: int, source: InitSource | None) -> TrainResult:
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
     train_tokens, val_tokens = open_data(config)
@@ -216,6 +239,8 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
     state = LoopState()
     if resume and (path := _resume_point(checkpoints)) is not None:
         state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
+    elif source is not None:
+        source.load_into(raw_model)  # after build_model's seeded init: the RNG then stands where a scratch run's does
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
         config = keep_tokenizer_copy(config, run_dir)  # data.tokenizer names RUN/tokenizer from here on

@@ -1,0 +1,162 @@
+"""Starting a run from existing weights: ``train.init_from`` (``scratchlm train --init-from PATH``).
+
+PATH is a run directory (its newest valid checkpoint), one checkpoint directory, a run written by
+``scratchlm import hf``, or a Hugging Face model folder (config.json + safetensors, read as ``import hf`` reads it).
+What the new run takes from there, and what starts fresh:
+
+- the weights, copied into the model ``build_model`` makes (fp32 master weights: bf16 weights are cast), and the
+  model config they belong to, whole;
+- the tokenizer: the source's copy (RUN/tokenizer, or the folder's tokenizer.json) becomes data.tokenizer, so the
+  run keeps its own copy and records its hash as any run does, and token files encoded with another tokenizer are
+  refused by the usual hash check when they are opened (setup.py); a data.tokenizer that is another tokenizer is
+  refused here. A source that records no tokenizer leaves the data settings as they are;
+- fresh: the optimizer state (AdamW or Muon, as optim.optimizer says), the schedule, the step counter, the time
+  budget and the RNG seed (train.seed). Fine-tuning is a new run whose first step starts from these weights.
+
+Which model: the one the weights fit, so the config's [model] table does not apply (a recipe's shape is not the
+source's). The caller says which model fields it set on purpose (``stated``: the CLI passes its ``--set model.*``
+values); one that differs from the source's is refused, naming the field and both values, and one that agrees
+is fine. ``stated=None`` states every field of config.model, so a library caller gets no silent replacement.
+
+On ``--resume`` of a run that has checkpoints, those win: the model is the run's own (its config.toml) and
+train.init_from is not read again, so the source may have moved or been deleted since (trainer.py decides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scratchlm.config import RunConfig
+from scratchlm.errors import UserError
+from scratchlm.model.config import ModelConfig
+from scratchlm.train.checkpoint_state import load_model_state
+
+
+@dataclass
+class InitSource:
+    """What train.init_from names, read once: the weights (CPU tensors), their model config, the tokenizer."""
+
+    model: ModelConfig
+    weights: dict[str, torch.Tensor]  # emptied by load_into: training needs the memory more than this copy
+    tokenizer: Path | None  # the source's tokenizer directory (None: it has none to copy)
+    tokenizer_hash: str | None  # the tokenizer it was trained with (None: unrecorded)
+    where: str  # "train.init_from PATH", for messages
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the weights into ``model`` (on its device, in its dtype) and let go of this copy."""
+        load_model_state(model, self.weights, where=self.where)
+        self.weights.clear()
+
+
+def open_source(path: str | Path) -> InitSource:
+    """Read train.init_from: a run or checkpoint directory, or a Hugging Face model folder."""
+    from scratchlm.train.checkpoint import META_FILE
+
+    path = Path(path)
+    where = f"train.init_from {path}"
+    if not path.exists():
+        raise FileNotFoundError(f"{where} does not exist: give a run directory, a checkpoint directory or a "
+                                f"Hugging Face model folder")
+    if (path / META_FILE).is_file() or (path / "checkpoints").is_dir():
+        return _from_run(path, where)
+    if (path / "config.json").is_file():
+        return _from_hf_folder(path, where)
+    kind = "a file" if path.is_file() else "a folder with neither checkpoints/, meta.json nor config.json"
+    raise UserError(f"{where} is {kind}: give a run directory, a checkpoint directory or a Hugging Face model "
+                    f"folder (config.json + safetensors)")
+
+
+def _from_run(path: Path, where: str) -> InitSource:
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.tokenizer_identity import run_tokenizer_dir, tokenizer_for_run
+
+    model, config = load_for_inference(path)  # a run's newest valid checkpoint, or this one; verified
+    directory = run_tokenizer_dir(path, config)
+    tokenizer_hash = config.data.tokenizer_hash
+    if directory is not None:
+        tokenizer_hash = tokenizer_for_run(path, config, None).hash  # refuses a copy that is not the recorded one
+    return InitSource(model.config, model.state_dict(), directory, tokenizer_hash, where)
+
+
+def _from_hf_folder(path: Path, where: str) -> InitSource:
+    from scratchlm.compat.commands import HF_PACKAGES, read_hf_tokenizer
+    from scratchlm.extras import require
+
+    for package in HF_PACKAGES:
+        require(package, "hf", "train.init_from a Hugging Face folder")
+    model = _read_hf_model(path)
+    try:
+        tokenizer = read_hf_tokenizer(path)
+    except ValueError as error:  # UnsupportedHFTokenizer, or a malformed tokenizer.json
+        raise UserError(f"{where}: its tokenizer cannot be used ({error}); `scratchlm import hf` keeps the "
+                        f"weights without it, and a run made so can be the init_from with your data.tokenizer") \
+            from None
+    if tokenizer is None:
+        return InitSource(model.config, model.state_dict(), None, None, where)
+    return InitSource(model.config, model.state_dict(), path, tokenizer.hash, where)
+
+
+def _read_hf_model(model_dir: Path) -> nn.Module:
+    """The one call into the Hugging Face reader (compat/commands.py), with `import hf`'s size limit."""
+    from scratchlm.compat.commands import DEFAULT_MAX_GIB, read_hf_llama
+
+    return read_hf_llama(model_dir, max_gib=DEFAULT_MAX_GIB)
+
+
+def adopt(config: RunConfig, source: InitSource, stated: Mapping[str, Any] | None) -> RunConfig:
+    """``config`` with the source's model and tokenizer (see the module docstring)."""
+    return with_tokenizer(with_model(config, source.model, source.where, stated), source)
+
+
+def with_model(config: RunConfig, model: ModelConfig, where: str, stated: Mapping[str, Any] | None) -> RunConfig:
+    """``config`` with ``model`` as its model, once each ``stated`` field agrees with it (None: all of config.model;
+    ``where`` names the model's origin in the refusal)."""
+    stated = dataclasses.asdict(config.model) if stated is None else stated
+    if "preset" in stated:
+        raise UserError(f"model.preset cannot be set with train.init_from: the model is that of {where}")
+    for key, value in stated.items():
+        if not _agrees(model, key, value):
+            raise UserError(f"model.{key} = {value!r} conflicts with the model of {where} ({key} = "
+                            f"{getattr(model, key)!r}): with train.init_from the model is the source's; leave "
+                            f"model.{key} out")
+    return dataclasses.replace(config, model=model)
+
+
+def _agrees(model: ModelConfig, key: str, value: Any) -> bool:
+    """Is ``key = value`` what ``model`` has? A value the config resolves to the model's agrees too (d_ff = none
+    is the FFN kind's default size): compared after the config's own resolution."""
+    if value == getattr(model, key):
+        return True
+    try:
+        return dataclasses.replace(model, **{key: value}) == model
+    except ValueError:
+        return False
+
+
+def with_tokenizer(config: RunConfig, source: InitSource) -> RunConfig:
+    """``config`` whose data.tokenizer (and its hash) is the source's; another tokenizer given is refused."""
+    from scratchlm.train.tokenizer_identity import short
+
+    expected, data = source.tokenizer_hash, config.data
+    if expected is None:
+        return config  # the source records no tokenizer: the data settings stand
+    given = {"data.tokenizer_hash": data.tokenizer_hash}
+    if data.tokenizer:
+        from scratchlm.tokenizer.tokenizer import Tokenizer
+
+        given[f"data.tokenizer {data.tokenizer}"] = Tokenizer.load(data.tokenizer).hash
+    for name, found in given.items():
+        if found and found != expected:
+            copy = f" ({source.tokenizer})" if source.tokenizer else ""
+            raise UserError(f"{name} is tokenizer {short(found)}, but the model of {source.where} was trained with "
+                            f"tokenizer {short(expected)}: leave data.tokenizer out to use that one{copy}, and "
+                            f"encode the data with it")
+    tokenizer = str(source.tokenizer) if source.tokenizer else data.tokenizer
+    return dataclasses.replace(config, data=dataclasses.replace(data, tokenizer=tokenizer, tokenizer_hash=expected))
