@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from scratchlm.cli import main
-from scratchlm.compat.commands import read_hf_tokenizer, write_run
+from scratchlm.compat.commands import write_run
+from scratchlm.compat.hf_import import read_hf_tokenizer
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, write_hf_tokenizer
