@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hf_models import COMMON, HF_SHAPES, hf_config, hf_model, randomize_vectors, rope
 from scratchlm.compat.hf import (
     choose_architecture,
     from_hf_state_dict,
@@ -25,35 +26,7 @@ from scratchlm.model import ModelConfig, TransformerLM
 transformers = pytest.importorskip("transformers")
 
 CLOSE = dict(rtol=1e-5, atol=1e-5)
-COMMON = dict(vocab_size=300, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
-
-def _rope(theta: float, **llama3) -> dict:
-    scaling = {"rope_type": "llama3", **llama3} if llama3 else {"rope_type": "default"}
-    return {"rope_parameters": {**scaling, "rope_theta": theta}}
-
-
-# Tiny versions of real checkpoints: fewer layers, a smaller vocabulary, the same head layout.
-HF_SHAPES = {
-    # SmolLM2-135M: d 576, 9 query / 3 KV heads of 64, tied.
-    "smollm2-135m": ("llama", dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96,
-                                   tie_word_embeddings=True, **_rope(100_000.0))),
-    # Llama-3.2-1B: 32 / 8 heads, tied, llama3 RoPE scaling (an original context short enough to matter here).
-    "llama-3.2-1b": ("llama", dict(hidden_size=128, num_attention_heads=32, num_key_value_heads=8, intermediate_size=96,
-                                   tie_word_embeddings=True, **_rope(500_000.0, factor=32.0, low_freq_factor=1.0,
-                                                                     high_freq_factor=4.0,
-                                                                     original_max_position_embeddings=16))),
-    # Qwen2.5-0.5B: 14 / 2 heads, q/k/v biases, tied.
-    "qwen2.5": ("qwen2", dict(hidden_size=112, num_attention_heads=14, num_key_value_heads=2, intermediate_size=96,
-                              tie_word_embeddings=True, **_rope(1_000_000.0))),
-    # Qwen3-0.6B: 16 / 8 heads with head_dim 128 != d_model 1024 / 16; QK-norm.
-    "qwen3-0.6b": ("qwen3", dict(hidden_size=64, num_attention_heads=16, num_key_value_heads=8, head_dim=8,
-                                 intermediate_size=96, tie_word_embeddings=True, **_rope(1_000_000.0))),
-    "mistral": ("mistral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                                sliding_window=None, **_rope(10_000.0))),
-    "mistral-window-covers-context": ("mistral", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
-                                                      intermediate_size=64, sliding_window=64, **_rope(10_000.0))),
-}
 
 # Ours -> the architecture export chooses for it.
 OURS = {
@@ -83,35 +56,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _randomize_vectors(named_parameters) -> None:
-    """Norm gains far from 1 and non-zero biases, so a wrong or missing mapping of either shows."""
-    with torch.no_grad():
-        for name, parameter in named_parameters:
-            if name.endswith("bias"):
-                parameter.normal_(0.0, 0.5)
-            elif parameter.dim() == 1:
-                parameter.uniform_(0.5, 1.5)
-
-
-def _hf_config(name: str, attn: str = "eager"):
-    model_type, options = HF_SHAPES[name]
-    config = transformers.AutoConfig.for_model(model_type, **COMMON, **options)
-    config._attn_implementation = attn
-    return config
-
-
-def _hf_model(config):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # matrices larger than the init and small embeddings: decoding does not settle on one
-        for name, parameter in model.named_parameters():  # token (a tied model repeats its input otherwise)
-            if parameter.dim() == 2:
-                parameter.normal_(0.0, 0.02 if "embed_tokens" in name else 0.2)
-    _randomize_vectors(model.named_parameters())
-    model.tie_weights()
-    return model
-
-
 def _ours_of(hf) -> TransformerLM:
     cfg = hf_config_to_model_config(hf.config)
     ours = TransformerLM(cfg).eval()
@@ -120,9 +64,9 @@ def _ours_of(hf) -> TransformerLM:
 
 
 def _load_into_hf(ours: TransformerLM, attn: str = "eager"):
-    hf_config = to_hf_config(ours.config)
-    hf_config._attn_implementation = attn
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = to_hf_config(ours.config)
+    config._attn_implementation = attn
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     result = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config), strict=False)
     expected_missing = ["lm_head.weight"] if ours.config.tie_embeddings else []
     assert result.missing_keys == expected_missing and not result.unexpected_keys
@@ -132,7 +76,7 @@ def _load_into_hf(ours: TransformerLM, attn: str = "eager"):
 
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
 def test_hf_model_runs_in_ours_with_equal_logits(name):
-    hf = _hf_model(_hf_config(name))
+    hf = hf_model(hf_config(name))
     ours = _ours_of(hf)
     cfg = ours.config
     model_type, options = HF_SHAPES[name]
@@ -149,7 +93,7 @@ def test_hf_model_runs_in_ours_with_equal_logits(name):
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
 def test_greedy_generation_equals_transformers_generate(name):
     """Left-padded prompts of different lengths, decoded with our KV cache and with HF's."""
-    hf = _hf_model(_hf_config(name))
+    hf = hf_model(hf_config(name))
     ours = _ours_of(hf)
     prompts = [[5, 17, 250, 3, 99, 42, 7], [1, 2, 3]]
     new = 24
@@ -169,7 +113,7 @@ def test_ours_runs_in_the_chosen_architecture_with_equal_logits(name):
     cfg, class_name = OURS[name]
     torch.manual_seed(0)
     ours = TransformerLM(cfg).eval()
-    _randomize_vectors(ours.named_parameters())
+    randomize_vectors(ours.named_parameters())
     hf = _load_into_hf(ours)
     assert type(hf).__name__ == class_name == choose_architecture(cfg)[0].class_name
     for length in (1, cfg.context_length // 2 + 1, cfg.context_length):
@@ -192,7 +136,7 @@ def test_state_dict_round_trip_is_exact(name):
 def test_logits_and_gradients_match_sdpa():
     cfg, _ = OURS["qk-norm-head-dim"]
     ours = TransformerLM(cfg)
-    _randomize_vectors(ours.named_parameters())
+    randomize_vectors(ours.named_parameters())
     hf = _load_into_hf(ours, attn="sdpa")
     ids = torch.randint(0, cfg.vocab_size, (2, 20))
     ours_logits, hf_logits = ours(ids), hf(ids).logits
@@ -208,7 +152,7 @@ def test_logits_and_gradients_match_sdpa():
 def test_logits_match_on_left_padded_rows_and_extreme_ids():
     """Ids 0 and V-1 and a left-padded batch, where each row's real tokens are numbered 0, 1, ... (HF's generate
     does the same through position_ids from the mask; a plain HF forward needs them given)."""
-    hf = _hf_model(_hf_config("qwen2.5"))
+    hf = hf_model(hf_config("qwen2.5"))
     ours = _ours_of(hf)
     ids = torch.randint(0, COMMON["vocab_size"], (3, 24))
     ids[0, :4] = 0
@@ -250,7 +194,7 @@ def test_export_chooses_the_architecture_that_is_exact_and_says_why(switches, ch
 
 
 def _llama3(**changes) -> dict:
-    return _rope(500_000.0, **({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    return rope(500_000.0, **({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 16} | changes))
 
 
