@@ -203,6 +203,8 @@ def hf_config_to_model_config(hf_cfg, rope: dict | None = None) -> ModelConfig:
         problems.append(f"hidden_act={hf_cfg.hidden_act!r} (our SwiGLU needs 'silu')")
     if getattr(hf_cfg, "quantization_config", None):
         problems.append(f"quantization_config={hf_cfg.quantization_config!r} (only float weights are read)")
+    if getattr(hf_cfg, "partial_rotary_factor", 1.0) != 1.0:  # 4.x's spelling; 5.x's is in rope_parameters
+        problems.append(f"partial_rotary_factor={hf_cfg.partial_rotary_factor!r} (our RoPE rotates the whole head)")
     problems += _sliding_window_problems(hf_cfg)
     if rope is None:
         parameters = hf_cfg.rope_parameters or {}
