@@ -27,7 +27,8 @@ make_venv() {  # make_venv DIR REQUIREMENT...: a fresh venv with torch first, th
 echo "test_transformers_versions: transformers==$FLOOR (the floor) runs the HF tests"
 make_venv "$WORK/floor" -e ".[test]" "transformers==$FLOOR"
 "$WORK/floor/bin/python" -c 'import transformers; print("  transformers", transformers.__version__)'
-"$WORK/floor/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf_parity.py tests/test_export_hf.py
+"$WORK/floor/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf_parity.py tests/test_export_hf.py \
+    tests/test_import_hf.py
 
 echo "test_transformers_versions: $TRANSFORMERS4 loads an export"
 make_venv "$WORK/v4" "$TRANSFORMERS4"

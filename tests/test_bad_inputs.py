@@ -232,6 +232,7 @@ def test_export_hf(world, tmp_path, capsys, argv, message):
     (["--model", "{T}/hf", "--out", "{T}/run"], "{T}/run already holds a run (checkpoints/)"),
     (["--model", "{T}/hf", "--out", "{T}/export"], "--out {T}/export already holds files"),
     (["--model", "{T}/tokA", "--out", "{T}/new/run"], "{T}/tokA is not a Hugging Face model folder"),
+    (["--model", "{T}/export", "--out", "{T}/new/run"], "{T}/export/config.json: model_type=None is not one we read"),
 ])
 def test_import_hf(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["import", "hf", *argv], message)

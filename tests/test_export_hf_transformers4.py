@@ -1,4 +1,4 @@
-"""An export loads in transformers 4.x too, with the right rope_theta and equal logits.
+"""An export loads in transformers 4.x too, in each architecture export writes, with the right RoPE and equal logits.
 
 transformers 5 spells RoPE as ``rope_parameters``, 4.x as ``rope_theta`` (+ ``rope_scaling``); an export that only
 wrote the 5.x spelling would load in 4.x with the default θ = 10000, silently. Our export writes both. The check
@@ -31,18 +31,25 @@ folder, ids_file, out_file = sys.argv[1:]
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
 with torch.no_grad():
     logits = model(torch.load(ids_file)).logits
-torch.save({"rope_theta": model.config.rope_theta, "logits": logits, "version": transformers.__version__}, out_file)
+torch.save({"rope_theta": model.config.rope_theta, "rope_scaling": model.config.rope_scaling, "logits": logits,
+            "class": type(model).__name__, "version": transformers.__version__}, out_file)
 """
 
 
-def test_transformers_4_loads_export_with_rope_theta_and_equal_logits(tmp_path):
+@pytest.mark.parametrize(("switches", "class_name"), [
+    ({}, "LlamaForCausalLM"),
+    (dict(num_kv_heads=2, tie_embeddings=True, rope_scaling="llama3", rope_original_context=8), "LlamaForCausalLM"),
+    (dict(qkv_bias=True, num_kv_heads=1), "Qwen2ForCausalLM"),
+    (dict(qk_norm=True, num_kv_heads=2, head_dim=32), "Qwen3ForCausalLM"),
+])
+def test_transformers_4_loads_export_with_rope_theta_and_equal_logits(tmp_path, switches, class_name):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Once upon a time there was a little cat named Tom. " * 40, encoding="utf-8")
     vocab, merges = train_bpe(corpus, 300, ["<|endoftext|>"])
     tokenizer = Tokenizer(vocab, merges, ["<|endoftext|>"])
     torch.manual_seed(0)
     # A θ far from the 10000 default, so a loader that ignored it would give other logits.
-    cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, rope_theta=500_000.0)
+    cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, rope_theta=500_000.0, **switches)
     model = TransformerLM(cfg).eval()
     write_run(model, tokenizer, tmp_path / "run")
     assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
@@ -54,6 +61,8 @@ def test_transformers_4_loads_export_with_rope_theta_and_equal_logits(tmp_path):
 
     loaded = torch.load(tmp_path / "out.pt")
     assert loaded["rope_theta"] == 500_000.0, f"transformers {loaded['version']} read rope_theta wrongly"
+    assert loaded["class"] == class_name
+    assert (loaded["rope_scaling"] or {}).get("rope_type", "default") == cfg.rope_scaling.replace("none", "default")
     with torch.no_grad():
         ours = model(ids)
     torch.testing.assert_close(loaded["logits"], ours, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from scratchlm.cli import main
-from scratchlm.compat.commands import export_hf
+from scratchlm.compat.hf_export import export_hf
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
 

@@ -1,0 +1,58 @@
+"""Writing a TransformerLM and its Tokenizer as a Hugging Face folder that transformers loads offline.
+
+`export_hf` chooses the architecture by compat/hf.py's `choose_architecture`: Llama, Qwen2 or Qwen3 when one of
+them expresses the model exactly (the first of them that does), and says why; the folder then holds
+``config.json`` (that architecture's config, RoPE spelled for transformers 4.x and 5.x alike), ``model.safetensors``
+(weights mapped by compat/hf.py) and the tokenizer's ``tokenizer.json`` + ``tokenizer_config.json``, the files
+``Tokenizer.save`` writes too (tokenizer/hf_format.py). A model no standard architecture expresses (a ReLU² or
+plain SiLU FFN, LayerNorm, post-norm, no RoPE, a logit cap...) is written by compat/hf_custom_code.py as a
+``trust_remote_code`` folder carrying its own modelling code, and the reason is said too.
+Weights are written only as safetensors (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scratchlm.tokenizer.hf_format import EOS_TOKEN
+
+
+def export_hf(model, tokenizer, out: Path) -> str:
+    """Write `model` (a TransformerLM) and `tokenizer` as a Hugging Face folder `out`; returns one line saying
+    which architecture was written and why."""
+    from scratchlm.compat.hf import choose_architecture
+
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
+    arch, why = choose_architecture(model.config)
+    if arch is None:
+        from scratchlm.compat.hf_custom_code import export_custom_code
+
+        export_custom_code(model, tokenizer, out)
+        return f"custom code (trust_remote_code=True): no standard architecture: {why}"
+    _write_standard(model, tokenizer, out, arch.model_type)
+    return why
+
+
+def _write_standard(model, tokenizer, out: Path, model_type: str) -> None:
+    from safetensors.torch import save_file
+
+    from scratchlm.compat.hf import to_hf_config, to_hf_state_dict, with_both_rope_spellings
+    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+    from scratchlm.write_errors import made_folder, naming
+
+    cfg = model.config
+    hf_config = to_hf_config(cfg, model_type)
+    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    hf_config.bos_token_id = hf_config.eos_token_id = eos_id
+    tensors = {name: t.detach().cpu().contiguous() for name, t in to_hf_state_dict(model.state_dict(), cfg).items()}
+    with made_folder(out):  # a failed export (a full disk) leaves no half-written folder behind
+        path = out / "config.json"
+        with naming(path):
+            hf_config.save_pretrained(out)
+            document = with_both_rope_spellings(json.loads(path.read_text(encoding="utf-8")), cfg)
+            path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)

@@ -1,0 +1,229 @@
+"""Reading a Hugging Face model folder (config.json + safetensors [+ tokenizer.json]) as a TransformerLM.
+
+`read_hf_model` accepts the model types compat/hf.py maps: llama (grouped-query attention, tied embeddings,
+llama3 RoPE scaling), mistral (without a sliding window shorter than its context), qwen2 / qwen2.5 (q/k/v
+biases) and qwen3 (QK-norm, explicit head_dim); weights in one ``model.safetensors`` or in the shards that
+``model.safetensors.index.json`` lists, stored as float32, bfloat16 or float16, built in the dtype asked for.
+`read_hf_tokenizer` reads the folder's byte-level BPE tokenizer.json; `read_hf_folder` does both (what
+`scratchlm import hf` writes a run from, and what another module uses to start from a pretrained model).
+
+A hostile folder costs no memory and no time before its error, so the order matters: config.json is parsed and
+checked (every unsupported field refused by name), its size bounded from its numbers alone, the model it
+describes sized on PyTorch's meta device against `max_gib`, every safetensors header read by
+compat/safetensors_header.py and checked against the file and against the shapes the config implies; only then
+is a model built and are weights read. Every problem is a ValueError (or FileNotFoundError) naming the file.
+Weights are read only as safetensors (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: `scratchlm --help` imports this module's CLI
+    import torch
+
+DEFAULT_MAX_GIB = 8.0  # refuse a model whose build would allocate more (--max-gib)
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a model may be built in (--dtype)
+# Tensors some checkpoints carry that our model recomputes (RoPE frequencies): not weights, nothing lost.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_folder(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: torch.dtype | None = None):
+    """(TransformerLM, Tokenizer or None, why the tokenizer is None or None): the folder's model and tokenizer.
+    A tokenizer our encoder does not match (WordPiece, a normalizer...) is left out, saying why; the weights are
+    still worth having."""
+    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
+
+    model = read_hf_model(model_dir, max_gib=max_gib, dtype=dtype)
+    try:
+        tokenizer = read_hf_tokenizer(model_dir)
+    except UnsupportedHFTokenizer as reason:
+        return model, None, f"tokenizer left out: {reason}"
+    return model, tokenizer, None if tokenizer else f"no {HF_TOKENIZER_FILE} in {model_dir}"
+
+
+def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: torch.dtype | None = None):
+    """A TransformerLM (eval mode, in `dtype`, default float32) with the weights of a Hugging Face folder."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from scratchlm.compat.hf import from_hf_state_dict
+    from scratchlm.model import TransformerLM
+    from scratchlm.train.checkpoint_state import load_model_state
+
+    model_dir = Path(model_dir)
+    dtype = dtype or torch.float32
+    cfg = _read_model_config(model_dir / "config.json", max_gib, dtype)
+    expected = _expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
+    shards = _shard_files(model_dir)
+    declared = _declared_tensors(shards)
+    _check_declared(declared, expected, cfg, where=", ".join(str(shard) for shard in shards))
+    tensors = {}
+    for shard in shards:
+        try:
+            tensors.update(load_file(str(shard)))
+        except SafetensorError as error:  # the header was fine; the library still refuses: name the file
+            raise ValueError(f"{shard}: cannot read safetensors file ({error})") from None
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        _check_tied_head(tensors, declared)
+    model = TransformerLM(cfg, dtype=dtype)
+    load_model_state(model, from_hf_state_dict(tensors, cfg), where=str(model_dir))  # cast to `dtype` here
+    return model.eval()
+
+
+def read_hf_tokenizer(model_dir: Path):
+    """Our Tokenizer from the folder's Hugging Face ``tokenizer.json``, or None when it has none.
+
+    Raises ``UnsupportedHFTokenizer`` for a tokenizer our encoder does not match (WordPiece, a normalizer...) and
+    a ValueError naming the file for a malformed one (tokenizer/hf_format.py reads it)."""
+    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE
+
+    path = Path(model_dir) / HF_TOKENIZER_FILE
+    return Tokenizer.from_files(path) if path.is_file() else None
+
+
+def _read_model_config(path: Path, max_gib: float, dtype: torch.dtype):
+    """config.json as our ModelConfig; every JSON, type or architecture problem is a ValueError naming the file."""
+    from transformers import AutoConfig
+
+    from scratchlm.compat.hf import ARCHITECTURES, hf_config_to_model_config, rope_spellings
+
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: a JSON {type(document).__name__}, not an object")
+    if document.get("model_type") not in ARCHITECTURES:
+        raise ValueError(f"{path}: model_type={document.get('model_type')!r} is not one we read "
+                         f"({', '.join(sorted(ARCHITECTURES))})")
+    _check_lower_bound(document, path, max_gib, dtype)
+    try:
+        spellings = rope_spellings(document)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    if len(spellings) == 2 and spellings[0] != spellings[1]:  # transformers 4 and 5 would run different models
+        raise ValueError(f"{path}: rope_parameters={spellings[0]} disagrees with rope_theta/rope_scaling "
+                         f"{spellings[1]} (transformers 5 reads the first, 4.x the second)")
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 transformers validates with its own exception types (strict dataclasses)
+        raise ValueError(f"{path}: {' '.join(str(error).split())}") from None
+    try:
+        return hf_config_to_model_config(hf_config, spellings[0] if spellings else None)
+    except (ValueError, TypeError, ZeroDivisionError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def _check_lower_bound(document: dict, path: Path, max_gib: float, dtype: torch.dtype) -> None:
+    """Refuse a config.json whose embedding and FFN weights alone, from its numbers (a missing or odd one counts
+    as 1), exceed `max_gib`: before transformers expands per-layer lists and before a model is sized."""
+    def number(name: str) -> int:
+        value = document.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    d_model = number("hidden_size")
+    weights = number("vocab_size") * d_model + number("num_hidden_layers") * 3 * d_model * number("intermediate_size")
+    gib = weights * dtype.itemsize / 2**30
+    if gib > max_gib:
+        raise ValueError(f"{path}: describes at least {gib:,.1f} GiB of weights (vocab_size {number('vocab_size'):,}, "
+                         f"hidden_size {d_model:,}, {number('num_hidden_layers'):,} layers), over the --max-gib limit "
+                         f"of {max_gib:g}; raise it if you mean it")
+
+
+def _expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
+    """{HF name: shape} of the model `cfg` describes, sized on the meta device (no memory); refuses a model whose
+    build would allocate more than `max_gib` GiB (weights in `dtype` plus RoPE tables and causal masks)."""
+    from scratchlm.compat.hf import to_hf_state_dict
+    from scratchlm.model import TransformerLM
+
+    try:
+        sized = TransformerLM(cfg, device="meta", dtype=dtype)
+    except RuntimeError as error:  # e.g. a context length whose causal mask overflows a size computation
+        raise ValueError(f"{config_path}: describes a model too large to build ({error})") from None
+    tensors = list(sized.parameters()) + list(sized.buffers())
+    gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    if gib > max_gib:
+        raise ValueError(f"{config_path}: building this model (vocab_size {cfg.vocab_size:,}, context "
+                         f"{cfg.context_length:,}, d_model {cfg.d_model:,}, {cfg.num_layers} layers) would "
+                         f"allocate {gib:,.1f} GiB, over the --max-gib limit of {max_gib:g}; raise it if you mean it")
+    return {name: tuple(t.shape) for name, t in to_hf_state_dict(sized.state_dict(), cfg).items()}
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists (each a plain file in `model_dir`)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map of file names): "
+                             f"{type(error).__name__}: {error}") from None
+        bad = [name for name in names if not isinstance(name, str) or Path(name).name != name]
+        if bad:
+            raise ValueError(f"{index}: shard {bad[0]!r} is not a file name inside {model_dir}")
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard {missing[0]} which is not in {model_dir}")
+        return [model_dir / name for name in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    found = sorted(p.name for p in model_dir.iterdir())
+    raise FileNotFoundError(f"{model_dir} has no model.safetensors (found {found}); only safetensors weights "
+                            f"are read (pickle-based .bin files are refused)")
+
+
+def _declared_tensors(shards: list[Path]) -> dict:
+    """{tensor name: (shard, TensorEntry)} over all shards; a name in two shards is an error."""
+    from scratchlm.compat.safetensors_header import read_safetensors_header
+
+    declared = {}
+    for shard in shards:
+        for name, entry in read_safetensors_header(shard).items():
+            if name in declared:
+                raise ValueError(f"{shard}: tensor {name!r} is also in {declared[name][0]}")
+            declared[name] = (shard, entry)
+    return declared
+
+
+def _check_declared(declared: dict, expected: dict, cfg, where: str) -> None:
+    """Every expected tensor is declared with its shape and a float dtype; nothing is declared that would be lost."""
+    from scratchlm.compat.safetensors_header import FLOAT_DTYPES
+
+    for name, shape in expected.items():
+        if name not in declared:
+            raise ValueError(f"{where} lack tensor {name!r} that config.json's model needs "
+                             f"({len(set(expected) - set(declared))} missing)")
+        shard, entry = declared[name]
+        if entry.shape != shape:
+            raise ValueError(f"{shard}: tensor {name!r} has shape {entry.shape} but config.json implies {shape}")
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{shard}: tensor {name!r} is {entry.dtype}; weights must be one of "
+                             f"{sorted(FLOAT_DTYPES)}")
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unused = sorted(name for name in set(declared) - set(expected) - tied_head
+                    if not name.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ValueError(f"{declared[unused[0]][0]}: holds {len(unused)} tensors a model of this config has no "
+                         f"place for, e.g. {unused[:3]} (importing would drop them)")
+    if "lm_head.weight" in tied_head & set(declared):
+        shard, entry = declared["lm_head.weight"]
+        if entry.shape != expected["model.embed_tokens.weight"]:
+            raise ValueError(f"{shard}: config.json ties the embeddings but lm_head.weight has shape {entry.shape}, "
+                             f"model.embed_tokens.weight {expected['model.embed_tokens.weight']}")
+
+
+def _check_tied_head(tensors: dict, declared: dict) -> None:
+    """tie_word_embeddings with a separate lm_head: fine when it equals the embedding, else the head would be lost."""
+    import torch
+
+    head, embedding = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+    if not torch.equal(head.float(), embedding.float()):
+        raise ValueError(f"config.json sets tie_word_embeddings, but lm_head.weight ({declared['lm_head.weight'][0]}) "
+                         f"differs from model.embed_tokens.weight ({declared['model.embed_tokens.weight'][0]}): "
+                         f"importing would drop the head; set tie_word_embeddings to false to keep it")
