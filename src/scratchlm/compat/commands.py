@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, DTYPES
-
-HF_PACKAGES = ("transformers", "tokenizers")  # the [hf] extra: not part of a plain install
+from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, DTYPES, HF_PACKAGES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -86,7 +86,7 @@ def _from_run(path: Path, where: str) -> InitSource:
 
 
 def _from_hf_folder(path: Path, where: str) -> InitSource:
-    from scratchlm.compat.commands import HF_PACKAGES, read_hf_tokenizer
+    from scratchlm.compat.hf_import import HF_PACKAGES, read_hf_tokenizer
     from scratchlm.extras import require
 
     for package in HF_PACKAGES:
@@ -104,10 +104,10 @@ def _from_hf_folder(path: Path, where: str) -> InitSource:
 
 
 def _read_hf_model(model_dir: Path) -> nn.Module:
-    """The one call into the Hugging Face reader (compat/commands.py), with `import hf`'s size limit."""
-    from scratchlm.compat.commands import DEFAULT_MAX_GIB, read_hf_llama
+    """The one call into the Hugging Face reader (compat/hf_import.py), with `import hf`'s size limit."""
+    from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, read_hf_model
 
-    return read_hf_llama(model_dir, max_gib=DEFAULT_MAX_GIB)
+    return read_hf_model(model_dir, max_gib=DEFAULT_MAX_GIB)
 
 
 def adopt(config: RunConfig, source: InitSource, stated: Mapping[str, Any] | None) -> RunConfig:
