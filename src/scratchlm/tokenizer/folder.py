@@ -6,11 +6,11 @@
     tokenizer.json             Hugging Face's (hf_format.py), + tokenizer_config.json: for `tokenizers` and
                                `transformers.AutoTokenizer`
     vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens, and only
-                               for GPT-2's pipeline (the files cannot name another split pattern)
+                               for GPT-2's pipeline (the files name none, and every reader splits them as GPT-2)
 
 A format that cannot hold the tokenizer exactly (say two ids with the same bytes) is left out with a warning
 rather than written wrong, and stale files of that format are removed: scratchlm-tokenizer.json always holds
-the whole tokenizer.
+the whole tokenizer. (The GPT-2 pair of a tokenizer with another pipeline is left out without a warning: by design.)
 
 ``load`` reads the first of: scratchlm-tokenizer.json; tokenizer.json, which is either scratchlm's format (the
 name it had before Hugging Face's file took it: those folders keep loading) or a Hugging Face byte-level BPE
@@ -116,8 +116,12 @@ def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, spe
         write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline)
         _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
                                      lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline))
-        _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
-                                     lambda: write_gpt2_files(directory, vocab, merges, pipeline))
+        if pipeline == GPT2_PIPELINE:
+            _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
+                                         lambda: write_gpt2_files(directory, vocab, merges))
+        else:
+            for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
+                (directory / name).unlink(missing_ok=True)
         return directory
 
 

@@ -34,6 +34,7 @@ to run.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from scratchlm.tokenizer.io import (
@@ -51,6 +52,7 @@ from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
 EOS_TOKEN = "<|endoftext|>"  # named as transformers' eos_token when the tokenizer has it
+_POSSESSIVE_INTERVAL = re.compile(r"(?<!\\)\{\d+(?:,\d*)?\}\+")  # Python's {1,3}+ is Oniguruma's ({1,3})+
 
 
 class UnsupportedHFTokenizer(ValueError):
@@ -95,6 +97,9 @@ def _hf_pre_tokenizer(pattern: str) -> dict:
     """GPT-2's ByteLevel-with-regex for GPT-2's pattern, else Split(pattern, Isolated) then a bare ByteLevel."""
     if pattern == GPT2_SPLIT_PATTERN:
         return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if _POSSESSIVE_INTERVAL.search(pattern):
+        raise FormatCannotHold(f"Hugging Face's regex engine (Oniguruma) reads the possessive '{{m,n}}+' of split "
+                               f"pattern {pattern!r} as a repeated interval; spell it without the '+'")
     return {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}

@@ -299,12 +299,9 @@ def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_token
                        f'{settings}}}\n')
 
 
-def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges, pipeline: Pipeline = GPT2_PIPELINE) -> None:
+def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges) -> None:
     """vocab.json + merges.txt in directory; FormatCannotHold when two ids hold the same bytes (say a
-    one-character special token), since GPT-2's vocab.json maps each token string to one id, and for a pipeline
-    other than GPT-2's, which the two files cannot name (every reader splits them as GPT-2 does)."""
-    if pipeline != GPT2_PIPELINE:
-        raise FormatCannotHold("GPT-2's format holds no pipeline, and is read with GPT-2's split pattern")
+    one-character special token), since GPT-2's vocab.json maps each token string to one id."""
     if len(invert_vocab(vocab)) < len(vocab):
         raise FormatCannotHold("GPT-2's format cannot hold two ids with the same bytes")
     gpt2_vocab = {to_gpt2_string(vocab[token_id]): token_id for token_id in sorted(vocab)}
