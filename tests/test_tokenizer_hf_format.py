@@ -300,9 +300,9 @@ BAD_FILES = {
     "prefix_space": (lambda d: d["pre_tokenizer"].update(add_prefix_space=True), UnsupportedHFTokenizer,
                      "sets add_prefix_space"),
     "no_regex": (lambda d: d["pre_tokenizer"].update(use_regex=False), UnsupportedHFTokenizer, "sets use_regex"),
-    "normalizer": (lambda d: d.update(normalizer={"type": "NFC"}), UnsupportedHFTokenizer, "sets normalizer"),
-    "ignore_merges": (lambda d: d["model"].update(ignore_merges=True), UnsupportedHFTokenizer,
-                      "sets ignore_merges"),
+    "normalizer": (lambda d: d.update(normalizer={"type": "NFKC"}), UnsupportedHFTokenizer, "normalizer 'NFKC'"),
+    "byte_fallback": (lambda d: d["model"].update(byte_fallback=True), UnsupportedHFTokenizer,
+                      "sets byte_fallback True"),
     "lstrip": (lambda d: d["added_tokens"][0].update(lstrip=True), UnsupportedHFTokenizer, "sets lstrip"),
     "overlapping_added": (lambda d: d["added_tokens"].append(
         {"id": max(d["model"]["vocab"].values()) + 1, "content": "|>x", "normalized": True}),

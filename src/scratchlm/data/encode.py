@@ -49,6 +49,7 @@ from scratchlm.data.encode_workers import init_worker, worker_tokenizer
 from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, expand_inputs
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
+from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, has_known_boundaries
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 READ_BLOCK = 1 << 20
@@ -351,13 +352,15 @@ def _plan_ranges(paths: list[Path], tokenizer: Tokenizer, workers: int) -> list[
     """
     remaining = sum(path.stat().st_size for path in paths)
     specials = [token.encode("utf-8") for token in tokenizer.special_tokens]
+    pattern = tokenizer.pipeline.pattern
+    cuts = workers > 1 and has_known_boundaries(pattern)
     ranges = []
     for path in paths:
         size = path.stat().st_size
         start = 0
         with open(path, "rb") as handle:
-            while workers > 1 and size - start > (target := _range_target(remaining, workers)):
-                cut = _next_safe_cut(handle, start + target, size, specials)
+            while cuts and size - start > (target := _range_target(remaining, workers)):
+                cut = _next_safe_cut(handle, start + target, size, specials, pattern == GPT2_SPLIT_PATTERN)
                 if cut >= size:
                     break
                 ranges.append((path, start, cut))
@@ -372,8 +375,9 @@ def _range_target(remaining: int, workers: int) -> int:
     return max(MIN_CHUNK_BYTES, remaining // (workers * CHUNKS_PER_WORKER))
 
 
-def _next_safe_cut(handle, position: int, size: int, specials: list[bytes]) -> int:
-    """The first offset >= position just after a "\\n" between printable ASCII bytes; ``size`` if none."""
+def _next_safe_cut(handle, position: int, size: int, specials: list[bytes], paragraphs: bool = True) -> int:
+    """The first offset >= position just after a "\\n" between printable ASCII bytes (or, with paragraphs, between
+    the two of X"\\n\\n"Y); ``size`` if none."""
     while position < size:
         handle.seek(position - 1)
         window = handle.read(_CUT_SEARCH_WINDOW + 1)
@@ -382,7 +386,7 @@ def _next_safe_cut(handle, position: int, size: int, specials: list[bytes]) -> i
             cut = position - 1 + newline + 1
             after = window[newline + 1]
             line_break = after in _SAFE_NEIGHBOURS
-            paragraph_break = (after == 0x0A and window[newline + 2] in _SAFE_NEIGHBOURS
+            paragraph_break = (paragraphs and after == 0x0A and window[newline + 2] in _SAFE_NEIGHBOURS
                                and not _special_starts_at(handle, cut + 1, specials))
             if (window[newline - 1] in _SAFE_NEIGHBOURS and (line_break or paragraph_break)
                     and not _special_spans(handle, cut, specials)):

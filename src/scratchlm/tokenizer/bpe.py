@@ -1,9 +1,12 @@
 """Byte-level BPE encoding as the algorithm states it: the readable path, and the rule every fast path must equal.
 
-A pre-token (one match of the GPT-2 regex, see ``pretokenize.py``) becomes its UTF-8 bytes, one token each; then
-the adjacent pair with the lowest merge rank is merged, the leftmost one if it occurs more than once, until no
-adjacent pair has a merge. That is GPT-2's rule, and the one tiktoken's educational module (``_educational.py``)
-and minbpe show. ``ReadableBPE`` applies it to each pre-token of a text, with no cache and no other trick.
+A pre-token (one match of the tokenizer's split pattern, GPT-2's by default, see ``pretokenize.py``) becomes its
+UTF-8 bytes, one token each; then the adjacent pair with the lowest merge rank is merged, the leftmost one if it
+occurs more than once, until no adjacent pair has a merge. That is GPT-2's rule, and the one tiktoken's educational
+module (``_educational.py``) and minbpe show. ``ReadableBPE`` applies it to each pre-token of a text, with no cache
+and no other trick, after the two steps a tokenizer's ``pipeline.Pipeline`` may add: the text is put in NFC first,
+and with ``ignore_merges`` a pre-token whose bytes are one token is that token, unmerged (as Llama 3's tokenizer,
+and tiktoken always, do).
 
 It costs O(n) per merge, O(n^2) per pre-token of n bytes, and runs a Python loop per pair: fine for a sentence,
 far too slow for a corpus (and a megabyte-long line of letters, one pre-token, would never finish). The
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import pretokens
 
 # (left id, right id) -> (rank, merged id): the merge table both encoders read.
@@ -64,18 +68,26 @@ def bpe_merge(ids: list[int], table: MergeTable) -> list[int]:
 
 
 class ReadableBPE:
-    """``PieceEncoder`` by the rule alone: pre-tokenize with the GPT-2 regex, then ``bpe_merge`` each pre-token."""
+    """``PieceEncoder`` by the rule alone: normalize and pre-tokenize as the pipeline says, then ``bpe_merge`` each
+    pre-token (or, with ignore_merges, look it up whole in ``tokens``: bytes -> id of the ordinary tokens)."""
 
-    def __init__(self, table: MergeTable, byte_ids: list[int]) -> None:
+    def __init__(self, table: MergeTable, byte_ids: list[int], pipeline: Pipeline = GPT2_PIPELINE,
+                 tokens: dict[bytes, int] | None = None) -> None:
         self._table = table
         self._byte_ids = byte_ids  # the id of each of the 256 single bytes
+        self._pipeline = pipeline
+        self._whole_tokens = (tokens or {}) if pipeline.ignore_merges else {}
 
     def encode(self, text: str, out: list[int]) -> None:
-        self.encode_pretokens(pretokens(text), out)
+        self.encode_pretokens(pretokens(self._pipeline.normalize(text), self._pipeline.pattern), out)
 
     def encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         for piece in pretokens:
-            out.extend(bpe_merge([self._byte_ids[byte] for byte in piece.encode("utf-8")], self._table))
+            data = piece.encode("utf-8")
+            if data in self._whole_tokens:  # ignore_merges: a pre-token that is a token is emitted whole
+                out.append(self._whole_tokens[data])
+            else:
+                out.extend(bpe_merge([self._byte_ids[byte] for byte in data], self._table))
 
     def clear(self) -> None:
         """Nothing to forget: this encoder caches nothing."""

@@ -29,9 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train = actions.add_parser(
         "train",
         help="train a BPE tokenizer on text, JSON lines, parquet or a Hugging Face dataset",
-        description="Train a byte-level BPE tokenizer (GPT-2 pre-tokenization; ties go to the greater byte "
-        "pair) and save it as DIR/scratchlm-tokenizer.json, plus Hugging Face's DIR/tokenizer.json + "
-        "tokenizer_config.json and GPT-2 style DIR/vocab.json + DIR/merges.txt. Inputs: .txt, .jsonl/.json, "
+        description="Train a byte-level BPE tokenizer (GPT-2 pre-tokenization unless --pattern says otherwise; "
+        "ties go to the greater byte pair) and save it as DIR/scratchlm-tokenizer.json, plus Hugging Face's "
+        "DIR/tokenizer.json + tokenizer_config.json and GPT-2 style DIR/vocab.json + DIR/merges.txt (GPT-2's "
+        "pattern only). Inputs: .txt, .jsonl/.json, "
         ".parquet (optionally .gz/.zst), folders and globs of those, and hf:NAME[:CONFIG][:SPLIT] datasets, as "
         "`data encode` takes them; no pre-token spans two documents.",
     )
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="total vocabulary: 256 bytes + special tokens + merges")
     train.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                        help="a special token, e.g. '<|endoftext|>' (repeatable; never merged)")
+    train.add_argument("--pattern", default="gpt2", metavar="NAME_OR_REGEX",
+                       help="the pre-tokenization split pattern: gpt2 (default), gpt4 (tiktoken's cl100k: digits in "
+                       "groups of 1-3, better for code), llama3, qwen2, or a regex")
     train.add_argument("--out", required=True, metavar="DIR", help="directory to save the tokenizer in")
     train.add_argument("--workers", type=int, default=None, metavar="N",
                        help="processes for pre-token counting (default: usable CPUs, at most 8)")
@@ -87,11 +91,17 @@ def describe_size(sources: list[Source]) -> str:
 def run_train(args: argparse.Namespace) -> int:
     from scratchlm.data.sources import expand_inputs
     from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+    from scratchlm.tokenizer.pipeline import Pipeline
+    from scratchlm.tokenizer.pretokenize import pattern_from_name
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train_bpe import train_bpe
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    try:
+        pipeline = Pipeline(pattern_from_name(args.pattern))
+    except ValueError as error:
+        raise ValueError(f"--pattern: {error}") from None
     sources = expand_inputs(args.input)  # a missing file, an empty folder, a glob that matches nothing
     # Before training, not after it. An existing tokenizer may be the one runs and token files were made with.
     out = Path(args.out)
@@ -100,10 +110,11 @@ def run_train(args: argparse.Namespace) -> int:
     show_progress = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_token, num_workers=args.workers,
-                              progress=show_progress, errors=args.errors, text_field=args.text_field)
+                              progress=show_progress, errors=args.errors, text_field=args.text_field,
+                              pattern=pipeline.pattern)
     seconds = time.perf_counter() - start
     with removed_on_failure(out):
-        out = Tokenizer(vocab, merges, args.special_token).save(out)
+        out = Tokenizer(vocab, merges, args.special_token, pipeline=pipeline).save(out)
     if not args.quiet:
         own_mb, worker_mb = peak_memory_mb()
         print(f"trained on {describe_size(sources)} in {seconds:.2f} s: {len(merges)} merges, vocab {len(vocab)}")

@@ -18,6 +18,12 @@ In both cases no special-token occurrence may straddle the position (checked exp
 longest-first special-token split identical. Both kinds of positions fall on UTF-8 character starts, so each
 chunk also decodes on its own exactly as it would inside the whole file.
 
+That second kind is GPT-2's. The other named patterns (``pretokenize.has_known_boundaries``) keep a punctuation
+mark and the line ends after it together (``"!\\n"``), so for them the position is instead just after a ``\\n``
+that has a printable ASCII byte on each side (``X"\\n"Y``): there every one of those patterns ends a pre-token and
+starts the next, whatever precedes X. A custom pattern is cut only at special tokens (a file without them is one
+chunk), and its pieces are not cut into parts either (``count_text``).
+
 Invalid UTF-8 follows the ``errors`` policy: ``"strict"`` (default) raises a ValueError naming the file and
 the byte offset of the first invalid byte; ``"replace"`` substitutes U+FFFD, as ``bytes.decode`` does.
 """
@@ -30,7 +36,13 @@ from collections import Counter, namedtuple
 from collections.abc import Iterable, Iterator
 
 from scratchlm.progress import progress_bar
-from scratchlm.tokenizer.pretokenize import special_token_regex, split_on_special_tokens, split_pretokens
+from scratchlm.tokenizer.pretokenize import (
+    GPT2_SPLIT_PATTERN,
+    has_known_boundaries,
+    special_token_regex,
+    split_on_special_tokens,
+    split_pretokens,
+)
 from scratchlm.workers import default_workers
 
 # typing's constant, spelled out; typing and pathlib are not imported at all: a short training run (`corpus.en`)
@@ -67,9 +79,16 @@ def check_input_file(path: str | os.PathLike) -> str:
     return path
 
 
-def _boundary_regex(special_bytes: list[bytes]) -> re.Pattern[bytes]:
-    candidates = [rb"(?<=[\x21-\x7e])(?=\n)"] + [b"(?=" + re.escape(token) + b")" for token in special_bytes]
-    return re.compile(b"|".join(candidates))
+def _boundary_regex(special_bytes: list[bytes], pattern: str) -> re.Pattern[bytes] | None:
+    """Where a chunk may be cut for this split pattern (the module docstring says why); None: nowhere."""
+    if pattern == GPT2_SPLIT_PATTERN:
+        lines = [rb"(?<=[\x21-\x7e])(?=\n)"]
+    elif has_known_boundaries(pattern):
+        lines = [rb"(?<=[\x21-\x7e]\n)(?=[\x21-\x7e])"]
+    else:
+        lines = []
+    candidates = lines + [b"(?=" + re.escape(token) + b")" for token in special_bytes]
+    return re.compile(b"|".join(candidates)) if candidates else None
 
 
 def straddled(window, position: int, special_tokens: list) -> bool:
@@ -82,10 +101,13 @@ def straddled(window, position: int, special_tokens: list) -> bool:
     return False
 
 
-def find_boundary(handle, target: int, file_size: int, special_bytes: list[bytes]) -> int:
+def find_boundary(handle, target: int, file_size: int, special_bytes: list[bytes],
+                  split_pattern: str = GPT2_SPLIT_PATTERN) -> int:
     """The first safe cut position at or after `target` (or `file_size` when there is none)."""
-    pattern = _boundary_regex(special_bytes)
-    overlap = max([len(token) for token in special_bytes] + [1])
+    pattern = _boundary_regex(special_bytes, split_pattern)
+    if pattern is None:
+        return file_size
+    overlap = max([len(token) for token in special_bytes] + [2])  # 2: the line start's look-behind
     position = target
     while position < file_size:
         window_start = max(0, position - overlap)
@@ -100,14 +122,16 @@ def find_boundary(handle, target: int, file_size: int, special_bytes: list[bytes
     return file_size
 
 
-def plan_chunks(path: str | os.PathLike, special_tokens: list[str], chunk_bytes: int) -> list[Chunk]:
-    """Cut one file into chunks of about `chunk_bytes` at safe positions (reads only small windows)."""
+def plan_chunks(path: str | os.PathLike, special_tokens: list[str], chunk_bytes: int,
+                pattern: str = GPT2_SPLIT_PATTERN) -> list[Chunk]:
+    """Cut one file into chunks of about `chunk_bytes` at positions safe for the split pattern (reads only small
+    windows)."""
     file_size = os.path.getsize(path)
     special_bytes = [token.encode("utf-8") for token in special_tokens]
     starts = [0]
     with open(path, "rb") as handle:
         while starts[-1] + chunk_bytes < file_size:
-            cut = find_boundary(handle, starts[-1] + chunk_bytes, file_size, special_bytes)
+            cut = find_boundary(handle, starts[-1] + chunk_bytes, file_size, special_bytes, pattern)
             if cut >= file_size:
                 break
             starts.append(cut)
@@ -127,28 +151,33 @@ def decode_chunk(data: bytes, chunk: Chunk, errors: str) -> str:
         ) from None
 
 
-def count_chunk(task: tuple[Chunk, list[str], str]) -> Counter[str]:
+def count_chunk(task: tuple[Chunk, list[str], str, str]) -> Counter[str]:
     """Pre-token counts of one chunk (the worker entry point; special tokens themselves are not counted)."""
-    chunk, special_tokens, errors = task
+    chunk, special_tokens, errors, pattern = task
     with open(chunk.path, "rb") as handle:
         handle.seek(chunk.start)
         data = handle.read(chunk.end - chunk.start)
     text = decode_chunk(data, chunk, errors)
     del data
     counts: Counter[str] = Counter()
-    count_text(text, special_token_regex(special_tokens), counts)
+    count_text(text, special_token_regex(special_tokens), counts, pattern)
     return counts
 
 
-def count_text(text: str, special_regex: regex.Pattern | None, counts: Counter[str]) -> None:
-    """Add the pre-tokens of `text` to `counts`; special tokens (matched by `special_regex`) are cut out first and
-    not counted."""
+def count_text(text: str, special_regex: regex.Pattern | None, counts: Counter[str],
+               pattern: str = GPT2_SPLIT_PATTERN) -> None:
+    """Add the pre-tokens of `text` (split by `pattern`) to `counts`; special tokens (matched by `special_regex`) are
+    cut out first and not counted."""
     for piece, is_special in split_on_special_tokens(text, special_regex):
-        if not is_special:
-            for part in word_aligned_parts(piece):
+        if is_special:
+            continue
+        if not has_known_boundaries(pattern):  # a custom pattern: no part boundary is known to be safe
+            counts.update(split_pretokens(piece, pattern))
+            continue
+        for part in word_aligned_parts(piece):
                 # A non-ASCII part goes in small pieces: its ASCII ones take split_pretokens' faster pattern.
-                for small in (part,) if part.isascii() else word_aligned_parts(part, SMALL_PART_CHARS):
-                    counts.update(split_pretokens(small))
+            for small in (part,) if part.isascii() else word_aligned_parts(part, SMALL_PART_CHARS):
+                counts.update(split_pretokens(small, pattern))
 
 
 def word_aligned_parts(text: str, size: int = PART_CHARS) -> Iterator[str]:
@@ -208,8 +237,10 @@ def count_pretokens(
     progress: bool = False,
     chunk_bytes: int | None = None,
     parallel_threshold: int = PARALLEL_THRESHOLD_BYTES,
+    pattern: str = GPT2_SPLIT_PATTERN,
 ) -> Counter[str]:
-    """Counts of every GPT-2 pre-token in the files, special tokens cut out first.
+    """Counts of every pre-token (split by `pattern`, GPT-2's by default) in the files, special tokens cut out
+    first.
 
     `num_workers` defaults to the usable CPUs; inputs smaller than `parallel_threshold` bytes are counted in
     this process. `chunk_bytes` (default: enough chunks to balance the workers, at most 8 MiB) bounds the
@@ -224,8 +255,8 @@ def count_pretokens(
     if chunk_bytes is None:
         balanced = -(-total_bytes // (workers * CHUNKS_PER_WORKER)) if workers > 1 else DEFAULT_CHUNK_BYTES
         chunk_bytes = max(WINDOW_BYTES, min(DEFAULT_CHUNK_BYTES, balanced))
-    chunks = [chunk for path in files for chunk in plan_chunks(path, special_tokens, chunk_bytes)]
-    tasks = [(chunk, special_tokens, errors) for chunk in chunks]
+    chunks = [chunk for path in files for chunk in plan_chunks(path, special_tokens, chunk_bytes, pattern)]
+    tasks = [(chunk, special_tokens, errors, pattern) for chunk in chunks]
     totals: Counter[str] = Counter()
     bar = progress_bar(total_bytes, progress, unit="B", unit_scale=True, desc="counting pre-tokens")
     # The generator comes first in zip so that it runs to its end and closes the pool.

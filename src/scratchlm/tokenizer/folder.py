@@ -5,16 +5,18 @@
     scratchlm-tokenizer.json   scratchlm's own format (io.py): exact for any vocab; load reads it first
     tokenizer.json             Hugging Face's (hf_format.py), + tokenizer_config.json: for `tokenizers` and
                                `transformers.AutoTokenizer`
-    vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens
+    vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens, and only
+                               for GPT-2's pipeline (the files name none, and every reader splits them as GPT-2)
 
 A format that cannot hold the tokenizer exactly (say two ids with the same bytes) is left out with a warning
 rather than written wrong, and stale files of that format are removed: scratchlm-tokenizer.json always holds
-the whole tokenizer.
+the whole tokenizer. (The GPT-2 pair of a tokenizer with another pipeline is left out without a warning: by design.)
 
 ``load`` reads the first of: scratchlm-tokenizer.json; tokenizer.json, which is either scratchlm's format (the
 name it had before Hugging Face's file took it: those folders keep loading) or a Hugging Face byte-level BPE
 tokenizer (a folder from the Hub, or from another library); the GPT-2 pair. The files' names never enter a
-tokenizer's identity: ``Tokenizer.hash`` is of its vocab, merges and special tokens, whichever file they came from.
+tokenizer's identity: ``Tokenizer.hash`` is of its vocab, merges, special tokens and pipeline, whichever file they
+came from.
 """
 
 from __future__ import annotations
@@ -45,12 +47,16 @@ from scratchlm.tokenizer.io import (
     write_gpt2_files,
     write_scratchlm_file,
 )
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import made_folder
+
+TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline]  # what every reader returns
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]:
-    """(vocab, merges, special tokens) from a tokenizer folder, its files tried in the order the module describes."""
+def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
+    """(vocab, merges, special tokens, pipeline) from a tokenizer folder, its files tried in the order the module
+    describes."""
     directory = Path(directory)
     if directory.is_file():
         raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
@@ -64,18 +70,18 @@ def read_tokenizer_dir(directory: str | Path) -> tuple[Vocab, Merges, list[str]]
         return read_tokenizer_json(directory / HF_TOKENIZER_FILE)
     if (directory / GPT2_VOCAB_FILE).exists() and (directory / GPT2_MERGES_FILE).exists():
         vocab, merges = read_gpt2_files(directory / GPT2_VOCAB_FILE, directory / GPT2_MERGES_FILE)
-        return vocab, merges, []
+        return vocab, merges, [], GPT2_PIPELINE
     raise FileNotFoundError(f"{directory} holds no tokenizer: expected {SCRATCHLM_FILE}, a Hugging Face "
                             f"{HF_TOKENIZER_FILE}, or {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} (write one with "
                             "`scratchlm tokenizer train`)")
 
 
-def read_tokenizer_json(path: Path) -> tuple[Vocab, Merges, list[str]]:
+def read_tokenizer_json(path: Path) -> TokenizerParts:
     """A file named tokenizer.json: scratchlm's format as saved before it had a name of its own, or Hugging Face's."""
     return _parse_single_file(read_json(path), path)
 
 
-def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None) -> tuple[Vocab, Merges, list[str]]:
+def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None) -> TokenizerParts:
     """GPT-2 ``vocab.json`` + ``merges.txt``, or one file that holds its own merges (scratchlm's or Hugging Face's
     tokenizer file) passed as vocab_path alone."""
     vocab_path = Path(vocab_path)
@@ -86,10 +92,10 @@ def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None)
         raise ValueError(f"{vocab_path} is a tokenizer file that holds its own merges; pass no merges file "
                          f"(got {merges_path})")
     vocab, merges = read_gpt2_files(vocab_path, merges_path)
-    return vocab, merges, []
+    return vocab, merges, [], GPT2_PIPELINE
 
 
-def _parse_single_file(document: object, path: Path) -> tuple[Vocab, Merges, list[str]]:
+def _parse_single_file(document: object, path: Path) -> TokenizerParts:
     if is_scratchlm_document(document):
         return parse_scratchlm(document, path)
     if is_hf_document(document):
@@ -99,18 +105,23 @@ def _parse_single_file(document: object, path: Path) -> tuple[Vocab, Merges, lis
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> Path:
+def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
+                        pipeline: Pipeline = GPT2_PIPELINE) -> Path:
     """Write the three formats into directory (created if needed); returns it.
 
     scratchlm-tokenizer.json is written first: it is what ``load`` reads first, so a failure while writing the
     others never leaves a folder that loads as another tokenizer (the GPT-2 pair alone has no special tokens).
     """
     with made_folder(directory) as directory:
-        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens)
+        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline)
         _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
-                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens))
-        _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
-                                     lambda: write_gpt2_files(directory, vocab, merges))
+                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline))
+        if pipeline == GPT2_PIPELINE:
+            _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
+                                         lambda: write_gpt2_files(directory, vocab, merges))
+        else:
+            for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
+                (directory / name).unlink(missing_ok=True)
         return directory
 
 

@@ -1,14 +1,18 @@
 """Hugging Face's ``tokenizer.json`` (+ ``tokenizer_config.json``): writing ours, reading byte-level BPE ones.
 
 A tokenizer.json (documented with HF ``tokenizers``' serialization) describes a pipeline: added tokens, a
-normalizer, a pre-tokenizer, a model, a decoder. Ours is the GPT-2 pipeline, written as plain JSON (no
-``tokenizers`` or ``transformers`` needed to save)::
+normalizer, a pre-tokenizer, a model, a decoder. Ours is written as plain JSON (no ``tokenizers`` or
+``transformers`` needed to save), from the tokenizer's ``pipeline.Pipeline``::
 
     added_tokens   our special tokens, matched on the raw text before anything else, each with its id
-    normalizer     null: the text is not changed
-    pre_tokenizer  ByteLevel with use_regex (the GPT-2 split pattern, as ours in pretokenize.py) and no prefix space
+    normalizer     null: the text is not changed; or NFC
+    pre_tokenizer  GPT-2's pattern: ByteLevel with use_regex (the GPT-2 split pattern, as ours in pretokenize.py)
+                   and no prefix space. Any other pattern: a Sequence of Split (the pattern as a Regex, behavior
+                   Isolated, not inverted) then ByteLevel without use_regex or prefix space, as Llama 3 and Qwen2
+                   write theirs
     model          BPE: "vocab" {token: id} and "merges" ["left right", ...] in rank order, both spelled in
-                   GPT-2's byte alphabet (io.to_gpt2_string); a special token is in the vocab under its own text
+                   GPT-2's byte alphabet (io.to_gpt2_string); a special token is in the vocab under its own text;
+                   ignore_merges as the pipeline says
     decoder        ByteLevel: the alphabet back to bytes, then UTF-8
 
 HF loads added tokens by their text, not by the ids written beside them: one already in the model's vocab keeps
@@ -17,15 +21,20 @@ every id needs a string of its own there: two ids with the same bytes, or a spec
 token's GPT-2 string, have no exact tokenizer.json (``FormatCannotHold``). ``tokenizer_config.json`` tells
 ``transformers.AutoTokenizer`` which class to build and which token ends a text.
 
-Reading accepts the tokenizer.json files our encoder matches id for id: a BPE model, the ByteLevel
-pre-tokenizer with the GPT-2 pattern and no prefix space, no normalizer, and added tokens matched as our special
-tokens are. Anything else is ``UnsupportedHFTokenizer``, naming the setting (a WordPiece model, a normalizer,
-add_prefix_space...); a file that is malformed is a ValueError naming the file and what is wrong.
+Reading accepts the tokenizer.json files our encoder matches id for id: a BPE model (ignore_merges or not), one
+of the two pre-tokenizers above with no prefix space (so GPT-2's, GPT-4-style, Llama 3's and Qwen2's files), no
+normalizer or NFC, and added tokens (special or not) matched as our special tokens are: on the raw text, at the
+leftmost match the longest, as HF's added vocabulary does. Anything else is ``UnsupportedHFTokenizer``, naming the
+setting and its value (a WordPiece model, a Metaspace pre-tokenizer, an NFKC normalizer, byte_fallback...); a file
+that is malformed is a ValueError naming the file and what is wrong. Our ids are those of HF's
+``encode(text, add_special_tokens=False)``: a post-processor (Llama 3 puts <|begin_of_text|> first) is not ours
+to run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from scratchlm.tokenizer.io import (
@@ -37,10 +46,13 @@ from scratchlm.tokenizer.io import (
     to_gpt2_string,
     write_atomic,
 )
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
+from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
 EOS_TOKEN = "<|endoftext|>"  # named as transformers' eos_token when the tokenizer has it
+_POSSESSIVE_INTERVAL = re.compile(r"(?<!\\)\{\d+(?:,\d*)?\}\+")  # Python's {1,3}+ is Oniguruma's ({1,3})+
 
 
 class UnsupportedHFTokenizer(ValueError):
@@ -48,16 +60,18 @@ class UnsupportedHFTokenizer(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> None:
+def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
+                       pipeline: Pipeline = GPT2_PIPELINE) -> None:
     """tokenizer.json + tokenizer_config.json in directory; FormatCannotHold (before writing) when no tokenizer.json
     encodes exactly as this tokenizer does."""
-    document = hf_tokenizer_document(vocab, merges, special_tokens)
+    document = hf_tokenizer_document(vocab, merges, special_tokens, pipeline)
     config = hf_tokenizer_config(special_tokens)
     write_atomic(directory / HF_TOKENIZER_FILE, json.dumps(document, ensure_ascii=False, indent=2) + "\n")
     write_atomic(directory / HF_CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
 
 
-def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str]) -> dict:
+def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str],
+                          pipeline: Pipeline = GPT2_PIPELINE) -> dict:
     """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included)."""
     special_ids = _special_ids(vocab, special_tokens)
     _check_no_merge_spells_a_special(vocab, merges, special_ids)
@@ -67,15 +81,28 @@ def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str
         "padding": None,
         "added_tokens": [{"id": special_ids[token], "content": token, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True} for token in special_tokens],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "normalizer": {"type": "NFC"} if pipeline.nfc else None,
+        "pre_tokenizer": _hf_pre_tokenizer(pipeline.pattern),
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": pipeline.ignore_merges,
                   "vocab": _hf_vocab(vocab, special_ids),
                   "merges": [f"{to_gpt2_string(left)} {to_gpt2_string(right)}" for left, right in merges]},
     }
+
+
+def _hf_pre_tokenizer(pattern: str) -> dict:
+    """GPT-2's ByteLevel-with-regex for GPT-2's pattern, else Split(pattern, Isolated) then a bare ByteLevel."""
+    if pattern == GPT2_SPLIT_PATTERN:
+        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if _POSSESSIVE_INTERVAL.search(pattern):
+        raise FormatCannotHold(f"Hugging Face's regex engine (Oniguruma) reads the possessive '{{m,n}}+' of split "
+                               f"pattern {pattern!r} as a repeated interval; spell it without the '+'")
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
 
 
 def hf_tokenizer_config(special_tokens: list[str]) -> dict:
@@ -132,15 +159,16 @@ def is_hf_document(document: object) -> bool:
     return isinstance(document, dict) and isinstance(document.get("model"), dict)
 
 
-def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[str]]:
-    """(vocab, merges, special tokens) of a Hugging Face byte-level BPE tokenizer.json (``is_hf_document``).
+def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
+    """(vocab, merges, special tokens, pipeline) of a Hugging Face byte-level BPE tokenizer.json
+    (``is_hf_document``).
 
     The added tokens become our special tokens, in the file's order (so a file we wrote reads back with the same
     ``Tokenizer.hash``); their bytes are their text, every other token's bytes its GPT-2 spelling."""
-    _check_pipeline(document, path)
+    pipeline = read_pipeline(document, path)
     model = document["model"]
     hf_vocab = _read_vocab(model, path)
-    added = _read_added_tokens(document, hf_vocab, path)
+    added = _read_added_tokens(document, hf_vocab, pipeline, path)
     vocab = {token_id: from_gpt2_string(text, f"{path}: vocab token") for text, token_id in hf_vocab.items()
              if token_id not in added}
     id_of_bytes = {data: token_id for token_id, data in vocab.items()}  # one id each: the spelling is one-to-one
@@ -152,36 +180,95 @@ def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[
         vocab[token_id] = data
     merges = [(from_gpt2_string(left, f"{path}: merge #{rank}"), from_gpt2_string(right, f"{path}: merge #{rank}"))
               for rank, (left, right) in enumerate(_read_merges(model, path))]
-    return vocab, merges, list(added.values())
+    return vocab, merges, list(added.values()), pipeline
 
 
 def _unreadable(path: Path, detail: str) -> ValueError:
     return ValueError(f"{path}: not a readable tokenizer.json ({detail})")
 
 
-def _check_pipeline(document: dict, path: Path) -> None:
-    """Refuse every setting that would make Hugging Face's ids differ from ours."""
-    model, pre_tokenizer = document["model"], document.get("pre_tokenizer")
-    kind = pre_tokenizer.get("type") if isinstance(pre_tokenizer, dict) else None
-    if model.get("type") != "BPE" or kind != "ByteLevel":
-        raise UnsupportedHFTokenizer(f"{path}: a Hugging Face tokenizer with model {model.get('type')!r} and "
-                                     f"pre-tokenizer {kind!r}; scratchlm reads byte-level BPE (model 'BPE', "
-                                     "pre-tokenizer 'ByteLevel')")
-    if not isinstance(pre_tokenizer.get("add_prefix_space"), bool):
-        raise _unreadable(path, "the ByteLevel pre-tokenizer has no add_prefix_space true/false")
+def read_pipeline(document: dict, path: Path) -> Pipeline:
+    """The pipeline of a tokenizer.json; UnsupportedHFTokenizer for every setting that would make Hugging Face's
+    ids differ from ours."""
+    model = document["model"]
+    if model.get("type") != "BPE":
+        raise UnsupportedHFTokenizer(f"{path}: a Hugging Face tokenizer with model {model.get('type')!r}; scratchlm "
+                                     "reads byte-level BPE (model 'BPE', pre-tokenizer 'ByteLevel')")
+    pattern = _read_pre_tokenizer(document.get("pre_tokenizer"), path)
+    nfc = _read_normalizer(document.get("normalizer"), path)
     changes = {
-        "add_prefix_space": pre_tokenizer["add_prefix_space"],  # a space put before the text
-        "use_regex": not pre_tokenizer.get("use_regex", True),  # no GPT-2 split pattern
-        "normalizer": document.get("normalizer") is not None,  # the text changed before splitting
-        "ignore_merges": bool(model.get("ignore_merges")),  # whole words looked up before merging
         "dropout": model.get("dropout") not in (None, 0),  # random merges skipped
         "continuing_subword_prefix": model.get("continuing_subword_prefix") not in (None, ""),
         "end_of_word_suffix": model.get("end_of_word_suffix") not in (None, ""),
+        "byte_fallback": bool(model.get("byte_fallback")),  # unknown characters as <0xNN> tokens
     }
-    changed = [name for name, is_set in changes.items() if is_set]
+    changed = [f"{name} {model[name]!r}" for name, is_set in changes.items() if is_set]
     if changed:
-        raise UnsupportedHFTokenizer(f"{path}: this byte-level BPE tokenizer sets {', '.join(changed)}, which "
-                                     "scratchlm's encoder does not do (it splits and merges as GPT-2 does)")
+        raise UnsupportedHFTokenizer(f"{path}: this byte-level BPE tokenizer's model sets {', '.join(changed)}, "
+                                     "which scratchlm's encoder does not do")
+    ignore_merges = model.get("ignore_merges", False)
+    if not isinstance(ignore_merges, bool):
+        raise _unreadable(path, f"model.ignore_merges is {ignore_merges!r}, not true/false")
+    try:
+        return Pipeline(pattern, nfc=nfc, ignore_merges=ignore_merges)
+    except ValueError as error:  # a Split regex Python's regex module cannot compile
+        raise UnsupportedHFTokenizer(f"{path}: {error}") from None
+
+
+def _read_pre_tokenizer(pre_tokenizer: object, path: Path) -> str:
+    """The split pattern of GPT-2's ByteLevel pre-tokenizer, or of Split(Regex, Isolated) + ByteLevel."""
+    kind = pre_tokenizer.get("type") if isinstance(pre_tokenizer, dict) else None
+    if kind == "ByteLevel":
+        _check_byte_level(pre_tokenizer, path, use_regex=True)
+        return GPT2_SPLIT_PATTERN
+    members = pre_tokenizer.get("pretokenizers") if kind == "Sequence" else None
+    kinds = [member.get("type") if isinstance(member, dict) else None for member in members or []]
+    if kinds != ["Split", "ByteLevel"]:
+        shown = f"Sequence of {kinds}" if kind == "Sequence" else repr(kind)
+        raise UnsupportedHFTokenizer(f"{path}: a Hugging Face tokenizer with pre-tokenizer {shown}; scratchlm reads "
+                                     "'ByteLevel' (GPT-2's regex) or a Sequence of 'Split' (a regex) and 'ByteLevel'")
+    split, byte_level = members
+    _check_byte_level(byte_level, path, use_regex=False)
+    pattern = split.get("pattern")
+    if not (isinstance(pattern, dict) and list(pattern) == ["Regex"] and isinstance(pattern["Regex"], str)):
+        raise UnsupportedHFTokenizer(f"{path}: the Split pre-tokenizer's pattern is {pattern!r}; scratchlm reads a "
+                                     '{"Regex": ...} pattern')
+    for name, wanted in (("behavior", "Isolated"), ("invert", False)):
+        if split.get(name) != wanted:
+            raise UnsupportedHFTokenizer(f"{path}: the Split pre-tokenizer sets {name} {split.get(name)!r}; "
+                                         f"scratchlm's pre-tokens are the regex's matches ({name} {wanted!r})")
+    return pattern["Regex"]
+
+
+def _check_byte_level(byte_level: dict, path: Path, *, use_regex: bool) -> None:
+    """A ByteLevel pre-tokenizer with no prefix space and use_regex as wanted (GPT-2's regex alone, or no regex
+    after a Split)."""
+    if not isinstance(byte_level.get("add_prefix_space"), bool):
+        raise _unreadable(path, "the ByteLevel pre-tokenizer has no add_prefix_space true/false")
+    changes = {
+        "add_prefix_space": byte_level["add_prefix_space"],  # a space put before the text
+        "use_regex": byte_level.get("use_regex", True) != use_regex,  # no split, or GPT-2's regex after a Split
+    }
+    changed = [f"{name} {byte_level.get(name, True)!r}" for name, is_set in changes.items() if is_set]
+    if changed:
+        raise UnsupportedHFTokenizer(f"{path}: this byte-level BPE tokenizer's ByteLevel pre-tokenizer sets "
+                                     f"{', '.join(changed)}, which scratchlm's encoder does not do")
+
+
+def _read_normalizer(normalizer: object, path: Path) -> bool:
+    """Whether the normalizer is NFC (null, or an empty Sequence: none at all); any other is refused by name."""
+    if normalizer is None:
+        return False
+    kind = normalizer.get("type") if isinstance(normalizer, dict) else None
+    kinds: list | None = [kind]
+    if kind == "Sequence":
+        members = normalizer.get("normalizers")
+        kinds = [m.get("type") if isinstance(m, dict) else None for m in members] if isinstance(members, list) else None
+    if kinds in ([], ["NFC"]):
+        return kinds == ["NFC"]
+    shown = f"Sequence of {kinds}" if kind == "Sequence" else repr(kind)
+    raise UnsupportedHFTokenizer(f"{path}: a Hugging Face tokenizer with normalizer {shown}; scratchlm reads none "
+                                 "or 'NFC'")
 
 
 def _read_vocab(model: dict, path: Path) -> dict[str, int]:
@@ -212,11 +299,13 @@ def _read_merges(model: dict, path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def _read_added_tokens(document: dict, hf_vocab: dict[str, int], path: Path) -> dict[int, str]:
+def _read_added_tokens(document: dict, hf_vocab: dict[str, int], pipeline: Pipeline, path: Path) -> dict[int, str]:
     """{id: text} of the added tokens, in the file's order, each checked to get from HF the id the file gives it.
 
     HF loads an added token by its text: the id the model's vocab gives that text, else the next id after the
     vocab and after the added tokens before it. A file whose ids disagree loads in HF with other ids than it says.
+    With a normalizer, HF matches an added token marked normalized=true on the normalized text, where ours are
+    matched on the raw text: such a token is refused.
     """
     entries = document.get("added_tokens", [])
     if not isinstance(entries, list):
@@ -233,6 +322,9 @@ def _read_added_tokens(document: dict, hf_vocab: dict[str, int], path: Path) -> 
             raise _unreadable(path, f"added token {token!r} has id {token_id}, which another token holds")
         added[token_id] = token
         normalized[token] = entry.get("normalized", True)
+        if pipeline.nfc and normalized[token]:
+            raise UnsupportedHFTokenizer(f"{path}: added token {token!r} sets normalized true with the NFC "
+                                         "normalizer; scratchlm matches added tokens on the raw text")
     _check_one_matching_pass(normalized, path)
     return added
 

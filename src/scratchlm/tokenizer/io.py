@@ -10,6 +10,11 @@ scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab 
                 ...],
      "special_tokens": ["<|endoftext|>", ...]}
 
+A tokenizer whose pipeline (``pipeline.py``) is not GPT-2's is written as version 3, which adds its three settings
+after the special tokens: ``"pattern": "<split regex>", "normalizer": null or "NFC", "ignore_merges": false or
+true``. One with GPT-2's pipeline is still written as version 2, so an older scratchlm reads it, and refuses (as an
+unknown version) a version 3 file that it would otherwise split with the wrong pattern.
+
 Folders saved before the Hugging Face file was written beside it hold this format under the name
 ``tokenizer.json``; ``folder.py`` still reads them (the ``format_version`` key tells the two apart).
 Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex byte strings;
@@ -30,10 +35,12 @@ import os
 from functools import cache
 from pathlib import Path
 
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 2  # for GPT-2's pipeline; PIPELINE_FORMAT_VERSION for any other
+PIPELINE_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 SCRATCHLM_FILE = "scratchlm-tokenizer.json"
 GPT2_VOCAB_FILE = "vocab.json"
 GPT2_MERGES_FILE = "merges.txt"
@@ -103,7 +110,7 @@ def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str]]:
+def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
     path = Path(path)
     return parse_scratchlm(read_json(path), path)
 
@@ -113,7 +120,7 @@ def is_scratchlm_document(document: object) -> bool:
     return isinstance(document, dict) and "format_version" in document
 
 
-def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str]]:
+def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a JSON object with format_version, vocab, merges, special_tokens")
     version = document.get("format_version")
@@ -132,7 +139,22 @@ def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[s
     specials = document["special_tokens"]
     if not all(isinstance(token, str) for token in specials):
         raise ValueError(f"{path}: special_tokens must be a list of strings, got {specials!r}")
-    return vocab, merges, list(specials)
+    pipeline = _parse_pipeline(document, path) if version == PIPELINE_FORMAT_VERSION else GPT2_PIPELINE
+    return vocab, merges, list(specials), pipeline
+
+
+def _parse_pipeline(document: dict, path: Path) -> Pipeline:
+    pattern, normalizer, ignore_merges = (document.get(key) for key in ("pattern", "normalizer", "ignore_merges"))
+    if not isinstance(pattern, str):
+        raise ValueError(f"{path}: key 'pattern' is missing or not a JSON string")
+    if normalizer not in (None, "NFC"):
+        raise ValueError(f"{path}: normalizer {normalizer!r} is not null or \"NFC\"")
+    if not isinstance(ignore_merges, bool):
+        raise ValueError(f"{path}: key 'ignore_merges' is missing or not true/false")
+    try:
+        return Pipeline(pattern, nfc=normalizer == "NFC", ignore_merges=ignore_merges)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def _parse_v2_vocab(entries: list, path: Path) -> Vocab:
@@ -255,9 +277,10 @@ def read_json(path: Path) -> object:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str]) -> None:
-    """scratchlm-tokenizer.json (version 2) with one vocab entry and one merge per line (json.dumps has no such
-    layout); a merge's parts are written as their (smallest) ids."""
+def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
+                         pipeline: Pipeline = GPT2_PIPELINE) -> None:
+    """scratchlm-tokenizer.json (version 2, or 3 for a pipeline other than GPT-2's) with one vocab entry and one
+    merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids."""
     ids = invert_vocab(vocab)
     missing = next((part for pair in merges for part in pair if part not in ids), None)
     if missing is not None:
@@ -265,8 +288,15 @@ def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_token
     tokens = [vocab[i].hex() if i in vocab else None for i in range(max(vocab, default=-1) + 1)]
     vocab_lines = ",\n".join(map(json.dumps, tokens))
     merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in merges)
-    write_atomic(path, f'{{"format_version": {FORMAT_VERSION},\n"vocab": [\n{vocab_lines}\n],\n'
-                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}}}\n')
+    version, settings = FORMAT_VERSION, ""
+    if pipeline != GPT2_PIPELINE:
+        version = PIPELINE_FORMAT_VERSION
+        normalizer, ignore_merges = json.dumps("NFC" if pipeline.nfc else None), json.dumps(pipeline.ignore_merges)
+        settings = (f',\n"pattern": {json.dumps(pipeline.pattern)},\n"normalizer": {normalizer},\n'
+                    f'"ignore_merges": {ignore_merges}')
+    write_atomic(path, f'{{"format_version": {version},\n"vocab": [\n{vocab_lines}\n],\n'
+                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}'
+                       f'{settings}}}\n')
 
 
 def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges) -> None:

@@ -1,22 +1,52 @@
-"""Pre-tokenization: split text on special tokens, then into GPT-2 pre-tokens.
+"""Pre-tokenization: split text on special tokens, then into pre-tokens with a split pattern.
 
 BPE never merges across a pre-token boundary, and special tokens are cut out before the regex runs, so they
 never take part in merges and no pre-token crosses them. Both the trainer and the encoder use this module.
 
-The encoder also cuts text at spaces (``str.split(" ")`` is far cheaper than the regex): a space that follows a
-non-whitespace character always starts a pre-token, so " " + word is pre-tokenized on its own when the word is
-*complete* (ends in a non-whitespace character). The word helpers at the end state those facts.
+The pattern is the tokenizer's (``pipeline.py``): GPT-2's by default, or one of the named patterns below, or any
+regex. As Hugging Face's ``Split`` pre-tokenizer with behavior "Isolated" does, each match is a pre-token and so is
+each stretch of text between two matches (the named patterns match every character, so there is none).
+Sources of the named patterns (each is copied character for character):
+
+    gpt2    GPT-2's encoder.py (openai/gpt-2), which tiktoken calls r50k_base
+    gpt4    tiktoken's cl100k_base ``pat_str`` (tiktoken_ext/openai_public.py), as spelled before tiktoken 0.7
+    llama3  the ``Split`` regex of Meta Llama 3's tokenizer.json: the same string as gpt4
+    qwen2   the ``Split`` regex of Qwen2's (and Qwen3's) tokenizer.json: Llama 3's with single digits (``\\p{N}``)
+
+The named patterns share two facts the fast paths rely on (``has_known_boundaries``; docs/tokenizer-encoding.md
+gives the argument, tests check it): a space that follows a non-whitespace character always starts a pre-token,
+and so does a character right after ``X"\\n"`` where X and that character are printable ASCII; and no pre-token
+to the left of either position looks past it. A custom pattern is taken on no such trust: its text is split only
+at special tokens.
+
+For GPT-2's pattern only, the encoder also cuts text at spaces with ``str.split(" ")`` (far cheaper than the
+regex) and runs an ASCII spelling of the pattern through ``re``; the word helpers at the end state those facts.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from functools import cache
 
 import regex
 
 # GPT-2's pattern (the one tiktoken calls "r50k_base"/"gpt2").
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-4's (tiktoken's cl100k_base): case-blind contractions, an optional non-letter before a word, digits in
+# groups of up to three, punctuation that keeps its line ends, and line ends apart from other whitespace. Spelled
+# as tiktoken did before 0.7 and as Llama 3's tokenizer.json does; tiktoken's possessive spelling now
+# (``\p{N}{1,3}+``...) splits the same (tested), but Hugging Face's regex engine reads ``{1,3}+`` as a repeat.
+GPT4_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_SPLIT_PATTERN = GPT4_SPLIT_PATTERN
+# Qwen2's (and Qwen3's): Llama 3's with single digits.
+QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                       r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+NAMED_PATTERNS = {"gpt2": GPT2_SPLIT_PATTERN, "gpt4": GPT4_SPLIT_PATTERN, "llama3": LLAMA3_SPLIT_PATTERN,
+                  "qwen2": QWEN2_SPLIT_PATTERN}
+_KNOWN_BOUNDARY_PATTERNS = frozenset(NAMED_PATTERNS.values())
+
 GPT2_SPLIT_REGEX = regex.compile(GPT2_SPLIT_PATTERN)
 _WHITESPACE = regex.compile(r"\s")
 _ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that regex's ``\s`` matches
@@ -26,6 +56,31 @@ _ASCII_WHITESPACE = frozenset(" \t\n\x0b\x0c\r")  # the ASCII characters that re
 _S = re.escape("".join(sorted(_ASCII_WHITESPACE)))  # inside the character classes below
 GPT2_ASCII_SPLIT_REGEX = re.compile(
     rf"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_S}A-Za-z0-9]+|[{_S}]+(?![^{_S}])|[{_S}]+""")
+
+
+def pattern_from_name(spec: str) -> str:
+    """The regex of a named pattern (gpt2, gpt4, llama3, qwen2), or spec itself when it names none."""
+    return NAMED_PATTERNS.get(spec, spec)
+
+
+@cache
+def compile_pattern(pattern: str) -> regex.Pattern:
+    """The compiled split pattern; a ValueError naming it when it does not compile or matches the empty text
+    (an empty pre-token is no token, and libraries disagree on where such a regex matches next)."""
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as error:
+        raise ValueError(f"split pattern {pattern!r} is not a valid regex ({error})") from None
+    if compiled.match("") is not None:
+        raise ValueError(f"split pattern {pattern!r} matches the empty text; a pre-token holds at least one "
+                         "character")
+    return compiled
+
+
+def has_known_boundaries(pattern: str) -> bool:
+    """Whether pattern is a named one, whose pre-tokens always start at the positions the module docstring names
+    (so text can be cut there into parts split on their own)."""
+    return pattern in _KNOWN_BOUNDARY_PATTERNS
 
 
 def validate_special_tokens(special_tokens: Iterable[str] | None) -> list[str]:
@@ -65,14 +120,43 @@ def split_on_special_tokens(text: str, special_regex: regex.Pattern | None) -> I
         yield text[position:], False
 
 
-def pretokens(text: str) -> list[str]:
-    """GPT-2 pre-tokens of text that holds no special tokens, by the Unicode pattern alone (the reference)."""
-    return GPT2_SPLIT_REGEX.findall(text)
+def pretokens(text: str, pattern: str = GPT2_SPLIT_PATTERN) -> list[str]:
+    """The pre-tokens of text that holds no special tokens, by the Unicode pattern alone (the reference): its
+    matches, and the text between two matches (as HF's Split "Isolated" keeps it)."""
+    return _isolated(compile_pattern(pattern), text)
 
 
-def split_pretokens(text: str) -> list[str]:
-    """``pretokens(text)``, through the faster ASCII pattern when text is ASCII (an O(1) check in CPython)."""
-    return (GPT2_ASCII_SPLIT_REGEX if text.isascii() else GPT2_SPLIT_REGEX).findall(text)
+def split_pretokens(text: str, pattern: str = GPT2_SPLIT_PATTERN) -> list[str]:
+    """``pretokens(text, pattern)``; GPT-2's pattern runs its faster ASCII spelling when text is ASCII (an O(1)
+    check in CPython)."""
+    if pattern == GPT2_SPLIT_PATTERN:
+        return (GPT2_ASCII_SPLIT_REGEX if text.isascii() else GPT2_SPLIT_REGEX).findall(text)
+    return _isolated(compile_pattern(pattern), text)
+
+
+def _isolated(compiled: regex.Pattern, text: str) -> list[str]:
+    """The matches of compiled in text, and the non-empty stretches between them, in order."""
+    if not compiled.groups:  # findall gives whole matches only for a pattern without groups
+        pieces = compiled.findall(text)
+        if sum(map(len, pieces)) == len(text):  # every character matched (always, for the named patterns)
+            return pieces
+    pieces, position = [], 0
+    for match in compiled.finditer(text):
+        if match.start() > position:
+            pieces.append(text[position:match.start()])
+        pieces.append(match.group())
+        position = match.end()
+    if position < len(text):
+        pieces.append(text[position:])
+    return pieces
+
+
+def line_start_boundary(text: str) -> int:
+    """Index just after the last ``"\\n"`` in text that has a printable ASCII character on each side, or 0."""
+    newline = text.rfind("\n", 1, len(text) - 1)
+    while newline > 0 and not ("!" <= text[newline - 1] <= "~" and "!" <= text[newline + 1] <= "~"):
+        newline = text.rfind("\n", 1, newline)
+    return newline + 1 if newline > 0 else 0
 
 
 def spaced_word_pieces(word: str) -> list[str]:

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from scratchlm.tokenizer.pretokenize import (
+    GPT2_SPLIT_PATTERN,
     pretokens,
     special_token_regex,
     split_on_special_tokens,
@@ -26,12 +27,14 @@ from scratchlm.tokenizer.pretokenize import (
 Word = tuple[bytes, ...]
 
 
-def reference_pretoken_counts(text: str, special_tokens: list[str]) -> Counter[str]:
-    """Counts of the GPT-2 pre-tokens of `text`, special tokens cut out and not counted."""
+def reference_pretoken_counts(text: str, special_tokens: list[str],
+                              pattern: str = GPT2_SPLIT_PATTERN) -> Counter[str]:
+    """Counts of the pre-tokens of `text` (split by `pattern`, GPT-2's by default), special tokens cut out and not
+    counted."""
     counts: Counter[str] = Counter()
     for piece, is_special in split_on_special_tokens(text, special_token_regex(special_tokens)):
         if not is_special:
-            counts.update(pretokens(piece))
+            counts.update(pretokens(piece, pattern))
     return counts
 
 
@@ -83,11 +86,12 @@ def reference_train_from_counts(
 
 
 def reference_train_bpe(
-    input_path: str | os.PathLike, vocab_size: int, special_tokens: list[str]
+    input_path: str | os.PathLike, vocab_size: int, special_tokens: list[str], pattern: str = GPT2_SPLIT_PATTERN
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train on one UTF-8 file, read whole (small inputs only; bytes as stored, no newline translation)."""
     text = Path(input_path).read_bytes().decode("utf-8")
-    return reference_train_from_counts(reference_pretoken_counts(text, special_tokens), vocab_size, special_tokens)
+    counts = reference_pretoken_counts(text, special_tokens, pattern)
+    return reference_train_from_counts(counts, vocab_size, special_tokens)
 
 
 def _encode_pretoken(piece: bytes, ranks: dict[tuple[bytes, bytes], int]) -> list[bytes]:

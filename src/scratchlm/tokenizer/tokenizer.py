@@ -1,17 +1,20 @@
 """Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens.
 
 What encode does, in order:
-1. split the text on special tokens (longest first): a special becomes its id and is never merged;
-2. pre-tokenize each ordinary piece with the GPT-2 regex (``pretokenize.py``);
+1. split the text on special tokens (at the leftmost match, the longest): a special becomes its id and is never
+   merged;
+2. pre-tokenize each ordinary piece with the tokenizer's split pattern (``pretokenize.py``; GPT-2's by default),
+   after putting it in NFC when the pipeline says so (``pipeline.py``);
 3. BPE each pre-token: repeatedly merge the adjacent pair with the lowest merge rank, leftmost on ties
-   (``bpe.bpe_merge``, ~10 lines; ``bpe.ReadableBPE`` runs steps 2 and 3 as written).
+   (``bpe.bpe_merge``, ~10 lines; ``bpe.ReadableBPE`` runs steps 2 and 3 as written); with the pipeline's
+   ignore_merges, a pre-token that is one token is that token.
 
 Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=False``, or by default ``CachedBPE``
 from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
 ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
 Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
-``hf_format.py`` (Hugging Face's); this module only knows vocab, merges and special tokens.
+``hf_format.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from pathlib import Path
 
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
 from scratchlm.tokenizer.io import invert_vocab
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
+    has_known_boundaries,
     last_space_boundary,
+    line_start_boundary,
     special_token_regex,
     split_on_special_tokens,
     split_pretokens,
@@ -37,14 +43,19 @@ _LOOKAHEAD_CHARS = 3
 
 
 class Tokenizer:
-    """Byte-level BPE over ``vocab`` (id -> bytes) and ``merges`` (in creation order), plus special tokens.
+    """Byte-level BPE over ``vocab`` (id -> bytes) and ``merges`` (in creation order), plus special tokens, under a
+    ``pipeline`` (normalizer, split pattern, ignore_merges: GPT-2's by default).
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                 special_tokens: list[str] | None = None, *, fast: bool = True, cache_size: int = 100_000) -> None:
+                 special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, fast: bool = True,
+                 cache_size: int = 100_000) -> None:
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"pipeline must be a tokenizer.pipeline.Pipeline, got {type(pipeline).__name__}")
+        self.pipeline = pipeline
         self.vocab: dict[int, bytes] = dict(vocab)
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_tokens: list[str] = validate_special_tokens(special_tokens)
@@ -56,7 +67,8 @@ class Tokenizer:
         self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
         self._cache_size = cache_size
         self.fast = fast
-        self._bpe = _piece_encoder(merge_table(self.merges, self._bytes_to_id), self._byte_ids, fast, cache_size)
+        self._bpe = _piece_encoder(merge_table(self.merges, self._bytes_to_id), self._byte_ids, pipeline,
+                                   self._ordinary_tokens() if pipeline.ignore_merges else None, fast, cache_size)
         self._hash: str | None = None
 
     # ------------------------------------------------------------------ construction and identity
@@ -67,9 +79,9 @@ class Tokenizer:
         ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
         from scratchlm.tokenizer.folder import read_tokenizer_files
 
-        vocab, merges, stored_specials = read_tokenizer_files(vocab_path, merges_path)
+        vocab, merges, stored_specials, pipeline = read_tokenizer_files(vocab_path, merges_path)
         specials = special_tokens if special_tokens is not None else stored_specials
-        return cls._built_from(vocab_path, vocab, merges, specials, fast)
+        return cls._built_from(vocab_path, vocab, merges, specials, pipeline, fast)
 
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
@@ -77,16 +89,16 @@ class Tokenizer:
         ``merges.txt`` (the order of the files is in ``folder.py``)."""
         from scratchlm.tokenizer.folder import read_tokenizer_dir
 
-        vocab, merges, specials = read_tokenizer_dir(directory)
-        return cls._built_from(directory, vocab, merges, specials, fast)
+        vocab, merges, specials, pipeline = read_tokenizer_dir(directory)
+        return cls._built_from(directory, vocab, merges, specials, pipeline, fast)
 
     @classmethod
     def _built_from(cls, source: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                    special_tokens: list[str], fast: bool) -> Tokenizer:
+                    special_tokens: list[str], pipeline: Pipeline, fast: bool) -> Tokenizer:
         """A tokenizer from what was read at source; an inconsistency (say a merge whose result is not in the
         vocab) names the file or folder it came from."""
         try:
-            return cls(vocab, merges, special_tokens, fast=fast)
+            return cls(vocab, merges, special_tokens, pipeline=pipeline, fast=fast)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
 
@@ -95,7 +107,7 @@ class Tokenizer:
         ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
         from scratchlm.tokenizer.folder import write_tokenizer_dir
 
-        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens)
+        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline)
 
     @property
     def vocab_size(self) -> int:
@@ -104,15 +116,18 @@ class Tokenizer:
 
     @property
     def hash(self) -> str:
-        """sha256 hex digest of the canonical (vocab, merges, special tokens); token files and runs record it.
+        """sha256 hex digest of the canonical (vocab, merges, special tokens, pipeline); token files and runs record
+        it.
 
         Of the content, never of a file: a tokenizer read from any file that holds it exactly (whatever its name
-        or format) has this hash, so a file's new name or format never changes a recorded identity."""
+        or format) has this hash, so a file's new name or format never changes a recorded identity. GPT-2's
+        pipeline adds no line, so the hashes recorded before pipelines existed keep their meaning."""
         if self._hash is None:
             vocab = self.vocab
             lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]
             lines += [f"m{left.hex()} {right.hex()}\n" for left, right in self.merges]
             lines += [f"s{token.encode('utf-8').hex()}\n" for token in self.special_tokens]
+            lines += self.pipeline.identity_lines()
             self._hash = hashlib.sha256("".join(lines).encode("ascii")).hexdigest()
         return self._hash
 
@@ -125,17 +140,18 @@ class Tokenizer:
                              f"(special tokens: {self.special_tokens})") from None
 
     def __repr__(self) -> str:
+        pipeline = "" if self.pipeline == GPT2_PIPELINE else f", pipeline={self.pipeline}"
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
-                f"special_tokens={self.special_tokens})")
+                f"special_tokens={self.special_tokens}{pipeline})")
 
     def __getstate__(self) -> dict:
         # Workers rebuild the lookup tables; the cache is per process.
         return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens,
-                "fast": self.fast, "cache_size": self._cache_size}
+                "pipeline": self.pipeline, "fast": self.fast, "cache_size": self._cache_size}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"], fast=state["fast"],
-                      cache_size=state["cache_size"])
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"], pipeline=state["pipeline"],
+                      fast=state["fast"], cache_size=state["cache_size"])
 
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:
@@ -210,9 +226,11 @@ class Tokenizer:
         Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
         longer special match), and (2) the end of the last ordinary piece: from its last space that follows a
         non-whitespace character (a boundary no later text can move, as in ``CachedBPE.encode``), or, when it
-        has none, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters: a match ending earlier
-        was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives trailing spaces away to
-        the next word only once that word arrives).
+        has none, with GPT-2's pipeline, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters:
+        a match ending earlier was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives
+        trailing spaces away to the next word only once that word arrives). Another named pattern, or NFC,
+        falls back instead to the last line start between printable ASCII characters (``X"\\n"Y``), and a custom
+        pattern holds the whole piece back (its text is cut only at special tokens).
         """
         cut = len(buffer) - self._partial_special_length(buffer)
         head, pending = buffer[:cut], buffer[cut:]
@@ -224,10 +242,12 @@ class Tokenizer:
                 ids.append(self._special_ids[piece])
             else:
                 self._bpe.encode(piece, ids)
-        boundary = last_space_boundary(open_piece)
+        boundary = self._stable_boundary(open_piece)
         if boundary > 0:
             self._bpe.encode(open_piece[:boundary], ids)
             return ids, open_piece[boundary:] + pending
+        if not self.pipeline.splits_like_gpt2:
+            return ids, open_piece + pending
         pretokens = split_pretokens(open_piece)
         held: list[str] = []
         held_chars = 0
@@ -236,6 +256,16 @@ class Tokenizer:
             held_chars += len(held[-1])
         self._bpe.encode_pretokens(pretokens, ids)  # not re-joined: joining could merge them into new pre-tokens
         return ids, "".join(reversed(held)) + pending
+
+    def _stable_boundary(self, text: str) -> int:
+        """A position in text where a pre-token starts whatever follows text, and nothing before it depends on
+        what comes after (so is NFC: the character there is ASCII); 0 when none is known."""
+        if not has_known_boundaries(self.pipeline.pattern):
+            return 0
+        boundary = last_space_boundary(text)
+        if boundary > 0 or self.pipeline.splits_like_gpt2:
+            return boundary
+        return line_start_boundary(text)
 
     def _partial_special_length(self, buffer: str) -> int:
         """Length of the longest tail of buffer that is a proper prefix of some special token (0 if none)."""
@@ -261,6 +291,12 @@ class Tokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------ set-up helpers
+    def _ordinary_tokens(self) -> dict[bytes, int]:
+        """bytes -> id of every token but the special ones: what ignore_merges looks a pre-token up in (as HF looks
+        it up in the model's vocab, which holds no added token)."""
+        special_ids = set(self._special_ids.values())
+        return {data: token_id for data, token_id in self._bytes_to_id.items() if token_id not in special_ids}
+
     def _add_special_tokens(self) -> dict[str, int]:
         """Map each special token to its id, appending the ones the vocab lacks after the largest id.
 
@@ -287,14 +323,14 @@ class Tokenizer:
         return special_ids
 
 
-def _piece_encoder(table: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int], fast: bool,
-                   cache_size: int) -> PieceEncoder:
+def _piece_encoder(table: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int], pipeline: Pipeline,
+                   tokens: dict[bytes, int] | None, fast: bool, cache_size: int) -> PieceEncoder:
     """The fast encoder, imported only when asked for (it brings numpy), or the readable one."""
     if not fast:
-        return ReadableBPE(table, byte_ids)
+        return ReadableBPE(table, byte_ids, pipeline, tokens)
     from scratchlm.tokenizer.fast import CachedBPE
 
-    return CachedBPE(table, byte_ids, cache_size)
+    return CachedBPE(table, byte_ids, cache_size, pipeline, tokens)
 
 
 def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:

@@ -35,7 +35,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 from typing import TYPE_CHECKING
 
 from scratchlm.progress import progress_bar
-from scratchlm.tokenizer.pretokenize import validate_special_tokens
+from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, compile_pattern, validate_special_tokens
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.long_words import LongWords
@@ -285,11 +285,13 @@ def train_bpe(
     progress: bool = False,
     errors: str = "strict",
     text_field: str = "text",
+    pattern: str = GPT2_SPLIT_PATTERN,
 ) -> tuple[Vocab, Merges]:
     """Train a byte-level BPE tokenizer on one or more inputs, as ``data encode`` takes them: text, JSON lines,
     JSON or parquet files (optionally .gz / .zst), folders and globs of those, ``hf:NAME[:CONFIG][:SPLIT]``
     datasets (``data/sources.py``). No pre-token spans two documents (records, rows), as none spans an
-    ``<|endoftext|>`` special token in a text file.
+    ``<|endoftext|>`` special token in a text file. `pattern` is the split regex (``pretokenize.py``: GPT-2's by
+    default; the tokenizer built from the result needs the same, as ``pipeline.Pipeline(pattern)``).
 
     Returns ``vocab`` (id -> bytes: 256 single bytes, the special tokens, then the merged tokens) and
     ``merges`` in creation order. Stops early when no pair is left to merge. `errors` is the UTF-8 policy
@@ -301,8 +303,10 @@ def train_bpe(
 
     special_tokens = validate_special_tokens(special_tokens)
     _check_vocab_size(vocab_size, special_tokens)
+    compile_pattern(pattern)  # a bad regex is refused before any input is read
     inputs = list(input_path) if isinstance(input_path, (list, tuple)) else [input_path]
     word_counts: Counter[str] = count_input_pretokens(
-        inputs, special_tokens, num_workers=num_workers, errors=errors, text_field=text_field, progress=progress
+        inputs, special_tokens, num_workers=num_workers, errors=errors, text_field=text_field, progress=progress,
+        pattern=pattern,
     )
     return train_bpe_from_counts(word_counts, vocab_size, special_tokens, progress=progress)

@@ -9,7 +9,8 @@ them) and counts each source the fastest way that gives the same counts:
   documents: what an ``<|endoftext|>`` special token between them does in a text file;
 * a compressed text file is one text, not a list of documents: ``safe_parts`` re-cuts its stream of text where
   the pre-tokenization of the whole is already cut, so its counts are those of the same file uncompressed, with
-  or without end-of-text tokens, and no part needs the whole file in memory.
+  or without end-of-text tokens, and no part needs the whole file in memory (for a custom split pattern, whose
+  safe cuts are unknown, the file is one part).
 
 The stream is grouped into batches of about ``BATCH_CHARS`` characters. The first batch is counted in this
 process; only when a second follows do worker processes take over, at most ``IN_FLIGHT_PER_WORKER`` batches each
@@ -37,7 +38,7 @@ from scratchlm.tokenizer.counting import (
     resolve_workers,
     straddled,
 )
-from scratchlm.tokenizer.pretokenize import special_token_regex
+from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, has_known_boundaries, special_token_regex
 
 # typing's constant, spelled out, as in counting.py
 TYPE_CHECKING = False
@@ -57,8 +58,10 @@ def count_input_pretokens(
     errors: str = "strict",
     text_field: str = "text",
     progress: bool = False,
+    pattern: str = GPT2_SPLIT_PATTERN,
 ) -> Counter[str]:
-    """Counts of every GPT-2 pre-token in the inputs, special tokens cut out first.
+    """Counts of every pre-token (split by `pattern`, GPT-2's by default) in the inputs, special tokens cut out
+    first.
 
     `text_field` is the JSON field or the parquet / dataset column that holds the text; `errors` the invalid UTF-8
     policy ("strict" or "replace"); `num_workers` defaults to the usable CPUs (at most 8).
@@ -68,7 +71,8 @@ def count_input_pretokens(
     inputs = list(inputs)
     files = plain_text_files(inputs)
     if files is not None:  # the common case, counted without importing sources.py
-        return count_pretokens(files, special_tokens, num_workers=workers, errors=errors, progress=progress)
+        return count_pretokens(files, special_tokens, num_workers=workers, errors=errors, progress=progress,
+                               pattern=pattern)
     from scratchlm.data.sources import expand_inputs
 
     sources = expand_inputs(inputs)
@@ -76,10 +80,11 @@ def count_input_pretokens(
     streamed = [source for source in sources if not source.is_plain_text]
     counts: Counter[str] = Counter()
     if plain:
-        counts = count_pretokens(plain, special_tokens, num_workers=workers, errors=errors, progress=progress)
+        counts = count_pretokens(plain, special_tokens, num_workers=workers, errors=errors, progress=progress,
+                                 pattern=pattern)
     if streamed:
         counts.update(count_document_pretokens(streamed, special_tokens, num_workers=workers, errors=errors,
-                                               text_field=text_field, progress=progress))
+                                               text_field=text_field, progress=progress, pattern=pattern))
     return counts
 
 
@@ -92,26 +97,29 @@ def plain_text_files(inputs: list[str | os.PathLike]) -> list[str] | None:
 
 
 def count_document_pretokens(sources: list[Source], special_tokens: list[str], *, num_workers: int, errors: str,
-                             text_field: str, progress: bool) -> Counter[str]:
+                             text_field: str, progress: bool, pattern: str = GPT2_SPLIT_PATTERN) -> Counter[str]:
     """Pre-token counts of the sources' documents, each document counted on its own."""
     documents = (document for source in sources
-                 for document in _documents(source, special_tokens, errors=errors, text_field=text_field))
+                 for document in _documents(source, special_tokens, errors=errors, text_field=text_field,
+                                            pattern=pattern))
     totals: Counter[str] = Counter()
     bar = progress_bar(None, progress, unit="char", unit_scale=True, desc="counting pre-tokens")
-    for chars, counts in _counted_batches(_batches(documents), special_tokens, num_workers):
+    for chars, counts in _counted_batches(_batches(documents), special_tokens, num_workers, pattern):
         totals.update(counts)
         bar.update(chars)
     bar.close()
     return totals
 
 
-def _documents(source: Source, special_tokens: list[str], *, errors: str, text_field: str) -> Iterator[str]:
+def _documents(source: Source, special_tokens: list[str], *, errors: str, text_field: str,
+               pattern: str) -> Iterator[str]:
     """The source's documents; for a text file, its text in safe parts (its end-of-text tokens stay text or
     special tokens, as on the byte-range path)."""
     from scratchlm.data.sources import read_documents, read_text_blocks
 
     if source.format == "text":
-        return safe_parts(read_text_blocks(source, errors=errors), special_tokens)
+        blocks = read_text_blocks(source, errors=errors)
+        return safe_parts(blocks, special_tokens) if has_known_boundaries(pattern) else iter(["".join(blocks)])
     return read_documents(source, text_field=text_field, errors=errors)
 
 
@@ -119,11 +127,11 @@ def safe_parts(blocks: Iterable[str], special_tokens: list[str]) -> Iterator[str
     """The text of `blocks` (one text, read block by block) cut into parts whose pre-token counts add up to those
     of the whole text.
 
-    A part ends just before a space that follows a printable ASCII character, where a GPT-2 pre-token always starts
-    (``counting.word_aligned_parts`` says why), and inside no special-token occurrence, so the special-token split
-    is unchanged too. Positions closer to the end of the text read so far than the longest special token are not
-    cut yet: an occurrence across them may still be arriving. Text without such a space (a line of DNA) stays one
-    part, as a file without a safe cut is one chunk on the byte-range path.
+    A part ends just before a space that follows a printable ASCII character, where a pre-token of every named
+    pattern always starts (``counting.word_aligned_parts`` says why), and inside no special-token occurrence, so
+    the special-token split is unchanged too. Positions closer to the end of the text read so far than the longest
+    special token are not cut yet: an occurrence across them may still be arriving. Text without such a space (a
+    line of DNA) stays one part, as a file without a safe cut is one chunk on the byte-range path.
     """
     reach = max(map(len, special_tokens), default=1)  # a cut at i needs the text up to i + reach
     pending = ""
@@ -165,23 +173,24 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def count_documents(documents: list[str], special_tokens: list[str]) -> Counter[str]:
+def count_documents(documents: list[str], special_tokens: list[str],
+                    pattern: str = GPT2_SPLIT_PATTERN) -> Counter[str]:
     """Pre-token counts of a batch of documents, each counted on its own (the worker entry point)."""
     special_regex = special_token_regex(special_tokens)
     counts: Counter[str] = Counter()
     for document in documents:
-        count_text(document, special_regex, counts)
+        count_text(document, special_regex, counts, pattern)
     return counts
 
 
 def _counted_batches(batches: Iterator[list[str]], special_tokens: list[str],
-                     workers: int) -> Iterator[tuple[int, Counter[str]]]:
+                     workers: int, pattern: str) -> Iterator[tuple[int, Counter[str]]]:
     """(characters, counts) of each batch, in order: in this process while there is only one batch, else in
     `workers` processes, a bounded number of batches ahead of the reader."""
     head = list(islice(batches, 2))
     if workers == 1 or len(head) < 2:
         for batch in chain(head, batches):
-            yield sum(map(len, batch)), count_documents(batch, special_tokens)
+            yield sum(map(len, batch)), count_documents(batch, special_tokens, pattern)
         return
     from concurrent.futures import ProcessPoolExecutor  # here: a small input never needs it
 
@@ -189,7 +198,7 @@ def _counted_batches(batches: Iterator[list[str]], special_tokens: list[str],
         pending: deque = deque()
         try:
             for batch in chain(head, batches):
-                pending.append((sum(map(len, batch)), pool.submit(count_documents, batch, special_tokens)))
+                pending.append((sum(map(len, batch)), pool.submit(count_documents, batch, special_tokens, pattern)))
                 if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
                     chars, future = pending.popleft()
                     yield chars, future.result()

@@ -1,6 +1,7 @@
 """Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the fast ``PieceEncoder``.
 
-It gives the ids of ``bpe.ReadableBPE`` (the GPT-2 regex, then ``bpe.bpe_merge`` per pre-token), faster:
+It gives the ids of ``bpe.ReadableBPE`` (the pipeline's NFC and split pattern, then ``bpe.bpe_merge`` per
+pre-token, or a whole token with ignore_merges), faster. With GPT-2's pattern:
 
 - Text is cut with ``str.split(" ")`` into words, and the hot loop is one dict lookup per word in a bounded
   *word -> ids cache* plus a ``list.extend``: a space after a non-whitespace character always starts a new
@@ -12,6 +13,11 @@ It gives the ids of ``bpe.ReadableBPE`` (the GPT-2 regex, then ``bpe.bpe_merge``
   corpus) are learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``.
   A pre-token of a megabyte or more (a line of DNA or base64) is merged by ``long_merge.py`` in bounded memory,
   its ids yielded a chunk at a time and never cached.
+
+With any other pattern the GPT-2 facts behind ``str.split(" ")`` and the ASCII regex are not assumed: the text goes
+through the pattern whole (``pretokenize.split_pretokens``) and each pre-token through the pre-token cache; a block
+of mostly new pre-tokens is merged at once (``learn_pretokens``). About half the GPT-2 path's speed on natural text
+(the regex runs on all of it), and the same ids by construction.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import numpy as np
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger, run_starts, take_runs
 from scratchlm.tokenizer.fast.long_merge import LONG_PIECE_MIN_BYTES, LongPieceMerger
 from scratchlm.tokenizer.fast.merge import merge_ids
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
+    GPT2_SPLIT_PATTERN,
     ends_in_whitespace,
     spaced_word_pieces,
     split_pretokens,
@@ -43,18 +51,21 @@ _BATCH_MIN_MISS_RATE = 32  # OWT valid after OWT train misses ~1 in 9: 1.2x fast
 
 
 class CachedBPE:
-    """BPE with a merge table ``(left id, right id) -> (rank, merged id)`` and the ids of the 256 bytes.
+    """BPE with a merge table ``(left id, right id) -> (rank, merged id)`` and the ids of the 256 bytes, under a
+    pipeline (``tokens``, bytes -> id of the ordinary tokens, is what ignore_merges looks pre-tokens up in).
 
-    ``word_cache`` maps a word to the ids of " " + word; ``pretoken_cache`` a pre-token to its ids. Each is
-    cleared when it would pass ``cache_size`` entries (one batch of new words larger than that is still cached
-    whole) and holds only keys of at most 64 characters.
+    ``word_cache`` maps a word to the ids of " " + word (GPT-2's pattern only); ``pretoken_cache`` a pre-token to
+    its ids. Each is cleared when it would pass ``cache_size`` entries (one batch of new words larger than that is
+    still cached whole) and holds only keys of at most 64 characters.
     """
 
     def __init__(self, merge_ranks: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int],
-                 cache_size: int) -> None:
+                 cache_size: int, pipeline: Pipeline = GPT2_PIPELINE, tokens: dict[bytes, int] | None = None) -> None:
         self._merge_ranks = merge_ranks
         self._byte_ids = byte_ids
         self._cache_size = cache_size
+        self._pipeline = pipeline
+        self._whole_tokens = (tokens or {}) if pipeline.ignore_merges else {}
         self.word_cache: dict[str, tuple[int, ...]] = {}
         self.pretoken_cache: dict[str, tuple[int, ...]] = {}
         self._merger: BatchMerger | None = None  # built on the first cold block
@@ -73,10 +84,15 @@ class CachedBPE:
         space (see docs/tokenizer-encoding.md). Each such chunk is " " + word; a word that ends in a non-space is
         a complete chunk, looked up in the word cache. Words ending in whitespace (or empty ones, from runs of
         spaces) join the following words into one segment that goes through the regex. When most words are new
-        (a cold cache), they are first learned together by ``learn_words``.
+        (a cold cache), they are first learned together by ``learn_words``. Another pattern than GPT-2's takes
+        ``_encode_by_pattern`` instead.
         """
+        text = self._pipeline.normalize(text)
+        if self._pipeline.pattern != GPT2_SPLIT_PATTERN:
+            self._encode_by_pattern(text, out)
+            return
         words = text.split(" ")
-        if self._mostly_new(words):
+        if _mostly_missing(words, self.word_cache):
             self.learn_words(set(words).difference(self.word_cache))
         lookup = self.word_cache.get
         extend = out.extend
@@ -106,6 +122,29 @@ class CachedBPE:
                     segment = None
         if segment is not None:
             self.encode_pretokens(split_pretokens("".join(segment)), out)
+
+    def _encode_by_pattern(self, text: str, out: list[int]) -> None:
+        """The general path: the pattern on the whole text, each pre-token through the pre-token cache (a block of
+        mostly new ones learned together first)."""
+        pieces = split_pretokens(text, self._pipeline.pattern)
+        if _mostly_missing(pieces, self.pretoken_cache):
+            self.learn_pretokens(set(pieces).difference(self.pretoken_cache))
+        self.encode_pretokens(pieces, out)
+
+    def learn_pretokens(self, pieces: Iterable[str]) -> None:
+        """Put the ids of many new pre-tokens (those of at most 64 characters) into the pre-token cache at once,
+        merged together by ``BatchMerger`` (the collector paused, as in ``learn_words``)."""
+        with _gc_paused():
+            pieces = [piece for piece in pieces if len(piece) <= _MAX_CACHED_CHARS]
+            if not pieces:
+                return
+            ids, counts = self._merge_pieces(list(map(str.encode, pieces)))
+            flat = ids.tolist()
+            ends = np.cumsum(counts).tolist()
+            cache = self.pretoken_cache
+            if len(cache) + len(pieces) > self._cache_size:
+                cache.clear()
+            cache.update(zip(pieces, [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]))
 
     def encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         """Append the ids of each pre-token to out, through the pre-token cache."""
@@ -146,21 +185,30 @@ class CachedBPE:
         distinct = list(dict.fromkeys(pieces))
         index = dict(zip(distinct, range(len(distinct))))
         piece_index = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
-        encoded = list(map(str.encode, distinct))
-        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-        ids, counts = self._batch_merger().merge(b"".join(encoded), lengths)
+        ids, counts = self._merge_pieces(list(map(str.encode, distinct)))
         piece_counts = counts[piece_index]
         flat = take_runs(ids, run_starts(counts)[piece_index], piece_counts).tolist()
         ends = np.cumsum(np.add.reduceat(piece_counts, first_pieces)).tolist()
         return [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]
 
-    def _mostly_new(self, words: list[str]) -> bool:
-        """Whether words is a long block and a sample of it misses the word cache often enough for batch BPE."""
-        if len(words) < _BATCH_MIN_WORDS:
-            return False
-        cache = self.word_cache
-        sample = islice(words, 1, _BATCH_SAMPLE + 1)
-        return sum(word not in cache for word in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
+    def _merge_pieces(self, encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids end to end, the number of ids of each) of pre-tokens given as bytes, merged at once; with
+        ignore_merges, one whose bytes are a token is that token."""
+        whole = [self._whole_tokens.get(data) for data in encoded] if self._whole_tokens else []
+        if not any(token is not None for token in whole):
+            return self._batch_merger().merge(b"".join(encoded), _lengths(encoded))
+        is_whole = np.array([token is not None for token in whole])
+        merged = [data for data, token in zip(encoded, whole) if token is None]
+        merged_ids, merged_counts = self._batch_merger().merge(b"".join(merged), _lengths(merged))
+        counts = np.ones(len(encoded), np.int64)
+        counts[~is_whole] = merged_counts
+        ids = np.empty(int(counts.sum()), np.int64)
+        whole_starts = run_starts(counts)[is_whole]
+        ids[whole_starts] = [token for token in whole if token is not None]
+        rest = np.ones(len(ids), bool)
+        rest[whole_starts] = False
+        ids[rest] = merged_ids
+        return ids, counts
 
     def _encode_spaced_word(self, word: str) -> tuple[int, ...]:
         """Ids of " " + word (a complete chunk of at most _MAX_CACHED_CHARS characters), through the word cache."""
@@ -198,11 +246,27 @@ class CachedBPE:
         """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates): a tuple, or for a piece of at least
         LONG_PIECE_MIN_BYTES an iterator that yields its ids a chunk at a time (no Python int per byte)."""
         data = piece.encode("utf-8")
+        whole = self._whole_tokens.get(data)
+        if whole is not None:  # ignore_merges: a pre-token that is a token is that token
+            return (whole,)
         if len(data) == 1:
             return (self._byte_ids[data[0]],)
         if len(data) >= LONG_PIECE_MIN_BYTES:
             return self._long_piece_merger().merge(data)
         return tuple(merge_ids([self._byte_ids[byte] for byte in data], self._merge_ranks))
+
+
+def _mostly_missing(keys: list[str], cache: dict) -> bool:
+    """Whether keys (words or pre-tokens) is a long block and a sample of it misses the cache often enough for
+    batch BPE."""
+    if len(keys) < _BATCH_MIN_WORDS:
+        return False
+    sample = islice(keys, 1, _BATCH_SAMPLE + 1)
+    return sum(key not in cache for key in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
+
+
+def _lengths(encoded: list[bytes]) -> np.ndarray:
+    return np.fromiter(map(len, encoded), np.int64, len(encoded))
 
 
 def _cacheable_words(words: Iterable[str]) -> list[str]:

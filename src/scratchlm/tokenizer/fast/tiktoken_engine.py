@@ -28,8 +28,13 @@ merges inside A and B's span are the ones BPE makes of T's bytes alone (each was
 whole piece, so of the span too), which would end at [A, B], not [T], against 3. So at every step tiktoken's
 mergeable pairs are exactly ours, ranked in the same order (2), and a pre-token that is a token T is T for both
 (3). A byte-level BPE as trained (ours, GPT-2's) meets all three; a vocab with tokens added beside the merges,
-or merges out of id order, does not. The pre-tokenization pattern is ours, ``GPT2_SPLIT_PATTERN``, which
-tiktoken's regex engine reads as ``regex`` does (tests check our split against tiktoken's own spelling of it).
+or merges out of id order, does not. Condition 3 also makes the pipeline's ignore_merges change nothing (BPE of a
+token's bytes is that token), and tiktoken emits such a pre-token whole anyway.
+
+The pre-tokenization pattern is the tokenizer's (``pat_str``): tiktoken's regex engine (Rust's fancy-regex) reads
+the named patterns as ``regex`` does (tests check each against our split); a custom pattern that it reads otherwise
+is caught by ``data encode``'s check of the first megabyte. With the pipeline's NFC, the text is normalized here
+before tiktoken sees it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import numpy as np
 from scratchlm.extras import require
 from scratchlm.tokenizer.bpe import merge_table
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
-from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
+from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -57,24 +62,29 @@ class TiktokenTokenizer(Tokenizer):
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                 special_tokens: list[str] | None = None, *, fast: bool = True, cache_size: int = 100_000) -> None:
-        super().__init__(vocab, merges, special_tokens, fast=fast, cache_size=cache_size)
+                 special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, fast: bool = True,
+                 cache_size: int = 100_000) -> None:
+        super().__init__(vocab, merges, special_tokens, pipeline=pipeline, fast=fast, cache_size=cache_size)
         self.encoding = tiktoken_encoding(self)
-        self._bpe = TiktokenBPE(self.encoding)
+        self._bpe = TiktokenBPE(self.encoding, pipeline)
 
     @classmethod
     def like(cls, tokenizer: Tokenizer) -> TiktokenTokenizer:
-        """The tiktoken twin of ``tokenizer``: the same vocab, merges and special tokens (so the same hash)."""
-        return cls(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+        """The tiktoken twin of ``tokenizer``: the same vocab, merges, special tokens and pipeline (so the same
+        hash)."""
+        return cls(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, pipeline=tokenizer.pipeline)
 
 
 class TiktokenBPE:
-    """``bpe.PieceEncoder`` through ``tiktoken.Encoding.encode_ordinary`` (the GPT-2 regex and BPE, natively)."""
+    """``bpe.PieceEncoder`` through ``tiktoken.Encoding.encode_ordinary`` (the pattern's split and BPE, natively),
+    after the pipeline's NFC."""
 
-    def __init__(self, encoding: tiktoken.Encoding) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, pipeline: Pipeline = GPT2_PIPELINE) -> None:
         self._encode_ordinary = encoding.encode_ordinary
+        self._normalize = pipeline.normalize
 
     def encode(self, text: str, out: list[int]) -> None:
+        text = self._normalize(text)
         if not text.isascii():
             # A lone surrogate raises UnicodeEncodeError here, as in our encoders (Tokenizer names it);
             # tiktoken would quietly encode it as U+FFFD.
@@ -83,7 +93,8 @@ class TiktokenBPE:
 
     def encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         # Each is encoded on its own: a GPT-2 pre-token, alone, is one pre-token (tested), so tiktoken's regex
-        # leaves it whole, whereas joined ones could match differently.
+        # leaves it whole, whereas joined ones could match differently. (Tokenizer hands over pre-tokens only
+        # with GPT-2's pipeline.)
         for piece in pretokens:
             self.encode(piece, out)
 
@@ -93,10 +104,10 @@ class TiktokenBPE:
 
 def tiktoken_encoding(tokenizer: Tokenizer) -> tiktoken.Encoding:
     """A ``tiktoken.Encoding`` that gives ``tokenizer``'s ids: ranks are our ids (checked, see the module
-    docstring), the pattern and the special tokens are ours. Needs the ``tiktoken`` package ([fast] extra)."""
+    docstring), the split pattern and the special tokens are ours. Needs the ``tiktoken`` package ([fast] extra)."""
     package = require("tiktoken", "fast", "the tiktoken engine (--engine tiktoken)")
     specials = {token: tokenizer.special_id(token) for token in tokenizer.special_tokens}
-    return package.Encoding(name=f"scratchlm-{tokenizer.hash[:16]}", pat_str=GPT2_SPLIT_PATTERN,
+    return package.Encoding(name=f"scratchlm-{tokenizer.hash[:16]}", pat_str=tokenizer.pipeline.pattern,
                              mergeable_ranks=mergeable_ranks(tokenizer), special_tokens=specials)
 
 
