@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,20 @@ def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sa
     assert records[-1]["kind"] == "end" and records[-1]["status"] == "finished"
     assert sum(r["kind"] == "eval" for r in records) >= 2
     assert "d_model = 32" in (out / "run" / "config.toml").read_text()
+    # The model leaves in a standard architecture (the recipe's SwiGLU + QK-norm: Qwen3) that transformers loads
+    # without custom code, with our logits.
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in config
+    hf_dir = out / "hf"
+    assert f'AutoModelForCausalLM.from_pretrained("{hf_dir}")' in printed
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.train.checkpoint import load_for_inference
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    ours, _ = load_for_inference(out / "run")
+    ids = torch.randint(0, 400, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
     # A second demo into the same folder must not overwrite the first one's run.
     assert main(args) == 1
     assert "already holds a run" in capsys.readouterr().err

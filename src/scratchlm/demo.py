@@ -68,6 +68,10 @@ class DemoPaths:
     def sample(self) -> Path:
         return self.out / "sample.txt"
 
+    @property
+    def hf(self) -> Path:
+        return self.out / "hf"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="the whole pipeline in a few minutes: tokenizer, data, training, story",
@@ -209,11 +213,11 @@ def run_demo(args: argparse.Namespace) -> int:
     progress = not args.quiet and sys.stderr.isatty()
 
     train_text, valid_text = prepare_texts(args.data, paths)
-    say(f"[1/5] training a {vocab_size}-token BPE tokenizer on {train_text}")
+    say(f"[1/6] training a {vocab_size}-token BPE tokenizer on {train_text}")
     vocab, merges = train_bpe(str(train_text), vocab_size, [EOT], progress=progress)
     tokenizer = Tokenizer(vocab, merges, [EOT])
     tokenizer.save(paths.tokenizer)
-    say(f"[2/5] encoding {train_text.name} and {valid_text.name}")
+    say(f"[2/6] encoding {train_text.name} and {valid_text.name}")
     for split, text in (("train", train_text), ("valid", valid_text)):
         stats = encode_corpus(tokenizer, [text], paths.data / f"{split}.tok", progress=progress)
         say(f"      {split}: {stats.summary()}")
@@ -227,21 +231,24 @@ def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: Run
     from scratchlm.experiments.report import write_report
     from scratchlm.train.trainer import train
 
-    say(f"[3/5] training d_model={config.model.d_model} x {config.model.num_layers} layers ({args.config.name}) "
+    say(f"[3/6] training d_model={config.model.d_model} x {config.model.num_layers} layers ({args.config.name}) "
         f"for {args.minutes:g} min")
     result = train(config, quiet=args.quiet)
     if result.message:
         say(f"      {result.message}")
-    say("[4/5] writing the report")
+    say("[4/6] writing the report")
     html_path, md_path = write_report([paths.run], out_dir=paths.report, title="scratchlm demo")
     if result.status != "finished":
         print(f"scratchlm demo: training {result.status}: {result.message}; run directory: {paths.run}",
               file=sys.stderr)
         return 130 if result.status == "interrupted" else 1
 
-    say(f"[5/5] sampling from the model (prompt {PROMPT!r})")
+    say(f"[5/6] sampling from the model (prompt {PROMPT!r})")
     story = sample_story(paths)
     paths.sample.write_text(story + "\n", encoding="utf-8")
+    say(f"[6/6] exporting the model for Hugging Face transformers to {paths.hf}")
+    exported = export_for_transformers(paths)
+    say(f"      {exported}")
     val = f"{result.best_val_loss:.3f}" if result.best_val_loss is not None else "n/a"
     print(f"\n{story}\n")
     print(f"Done in {(time.perf_counter() - started) / 60:.1f} min: {result.final_step} steps, "
@@ -252,5 +259,26 @@ def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: Run
           f"  report:     {html_path}\n"
           f"              {md_path}\n"
           f"  story:      {paths.sample}\n"
+          f"  HF export:  {exported if not paths.hf.is_dir() else paths.hf}\n"
           f"More stories: scratchlm generate --checkpoint {paths.run} --prompt \"{PROMPT}\"")
+    if paths.hf.is_dir():
+        print(f"In transformers: AutoModelForCausalLM.from_pretrained(\"{paths.hf}\"), "
+              f"AutoTokenizer.from_pretrained(\"{paths.hf}\")")
     return 0
+
+
+def export_for_transformers(paths: DemoPaths) -> str:
+    """Export the trained model to ``paths.hf`` (compat/hf_export.py) when the [hf] extra is installed; returns
+    the architecture line it printed, or why nothing was written."""
+    from scratchlm.compat.hf_import import HF_PACKAGES
+    from scratchlm.extras import optional_import
+
+    missing = [package for package in HF_PACKAGES if optional_import(package) is None]
+    if missing:
+        return f"skipped: {', '.join(missing)} not installed (pip install 'scratchlm[hf]')"
+    from scratchlm.compat.hf_export import export_hf
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+    from scratchlm.train.checkpoint import load_for_inference
+
+    model, _ = load_for_inference(paths.run)
+    return "architecture " + export_hf(model, Tokenizer.load(paths.tokenizer), paths.hf)
