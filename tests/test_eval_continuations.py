@@ -111,6 +111,9 @@ def test_encode_request_follows_lm_eval(tokenizer):
         tokenizer.encode("cat sat there dog")[len(tokenizer.encode("cat sat the")):]
     # No context: the continuation follows the end-of-text token.
     assert encode_request(tokenizer, "", "the cat") == ([eot], tokenizer.encode("the cat"))
+    # ... unless the continuation starts with it (lm_eval 0.4.13): then that one is the context.
+    assert encode_request(tokenizer, "", "<|endoftext|>the cat") == ([eot], tokenizer.encode("the cat"))
+    assert encode_request(tokenizer, "", "<|endoftext|>") == ([eot], [])
 
 
 def test_an_empty_context_needs_the_end_of_text_token(tokenizer):

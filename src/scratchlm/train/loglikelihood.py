@@ -10,7 +10,8 @@ its ``hf`` model type, so ``scratchlm eval --continuations`` on a run gives the 
   the continuation ("Paris is " + "nice" scores " nice" after "Paris is", the way a byte-level BPE tokenizer
   attaches a space to the word after it); then context + continuation is encoded whole and cut where the
   context's own encoding ends, so a merge across the boundary is scored as the continuation's. An empty context
-  is the end-of-text token (lm_eval's ``prefix_token_id`` for a tokenizer without a BOS token, as our export is).
+  is the end-of-text token (lm_eval's ``prefix_token_id`` for a tokenizer without a BOS token, as our export is),
+  or, when the continuation starts with that token, the continuation's first token.
 - Scoring (lm_eval's ``HFLM._loglikelihood_tokens``): the model reads the last ``context_length + 1`` tokens of
   context + continuation, less the last one (older context falls off the left); the continuation's tokens are
   scored at the last ``len(continuation)`` positions: the sum of their log-softmax values, and whether each is
@@ -81,7 +82,8 @@ def encode_request(tokenizer: Tokenizer, context: str, continuation: str) -> tup
         if EOS_TOKEN not in tokenizer.special_tokens:
             raise ValueError(f"an empty context is scored after {EOS_TOKEN}, which this tokenizer lacks "
                              f"(special tokens: {tokenizer.special_tokens})")
-        return [tokenizer.special_id(EOS_TOKEN)], tokenizer.encode(continuation)
+        eot, ids = tokenizer.special_id(EOS_TOKEN), tokenizer.encode(continuation)
+        return (ids[:1], ids[1:]) if ids[:1] == [eot] else ([eot], ids)  # one that starts with it needs no other
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
