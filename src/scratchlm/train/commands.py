@@ -68,14 +68,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                      description="Evaluate a checkpoint (or a run's newest valid one) on any token "
                                                  "file written by `scratchlm data encode`: loss (nats/token), "
                                                  "perplexity, and bits per byte when the run's tokenizer is known "
-                                                 "(comparable across tokenizers).")
+                                                 "(comparable across tokenizers). With --continuations: the "
+                                                 "log-likelihood of each continuation given its context, as "
+                                                 "lm-evaluation-harness computes it.")
     evaluate.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
-    evaluate.add_argument("--data", required=True, type=Path, help="token file to evaluate on")
+    what = evaluate.add_mutually_exclusive_group(required=True)
+    what.add_argument("--data", type=Path, help="token file to evaluate on")
+    what.add_argument("--continuations", type=Path, metavar="FILE.jsonl",
+                      help='JSON Lines of {"context": str, "continuation": str}: print each continuation\'s '
+                           "log-likelihood and whether it is the greedy one")
+    evaluate.add_argument("--out", type=Path, metavar="FILE.jsonl",
+                          help="with --continuations: also write the scores, one JSON object a request")
     evaluate.add_argument("--batches", type=int, help="evaluate only the first N batches (default: whole file)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
     evaluate.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
-    evaluate.add_argument("--tokenizer", type=Path, help="tokenizer directory for bits per byte (default: the run's "
-                                                         "copy, RUN/tokenizer, else its data.tokenizer)")
+    evaluate.add_argument("--tokenizer", type=Path, help="tokenizer directory for bits per byte and --continuations "
+                                                         "(default: the run's copy, RUN/tokenizer, else its "
+                                                         "data.tokenizer)")
     add_cs336_checkpoint_arguments(evaluate)  # --cs336-checkpoint FILE + its shape, to compare a course model
     evaluate.set_defaults(func=run_eval)
 
@@ -193,9 +202,13 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or (args.batches is not None and args.batches < 1):
         raise UserError("--batch-size and --batches must be positive")
+    if args.out is not None and args.continuations is None:
+        raise UserError("--out writes the scores of --continuations")
     device = select_device(args.device)
     model, config = load_model_for_command(args, device=device)
     kernels.apply(model, device)  # the speed paths the trainer runs (model/kernels/), equal to the readable ones
+    if args.continuations is not None:
+        return _eval_continuations(args, model, config, device)
     model.check_inputs = False  # the token file is checked against the vocabulary below
     # The run's tokenizer hash (tokenizer_identity.py): a file encoded with another tokenizer is refused.
     tokens = open_token_file(args.data, vocab_size=config.model.vocab_size,
@@ -218,6 +231,36 @@ def run_eval(args: argparse.Namespace) -> int:
                                    batch_size=args.batch_size, device=device)
             loss, bits = scored.nats_per_token, f"  bits/byte {scored.bits_per_byte:.4f}"
     print(f"loss {loss:.4f}  perplexity {perplexity(loss):.3f}{bits}  ({args.data})")
+    return 0
+
+
+def _eval_continuations(args: argparse.Namespace, model, config, device) -> int:
+    import json
+
+    import torch
+
+    from scratchlm.output_paths import refuse_inputs
+    from scratchlm.train.loglikelihood import read_requests, score_requests
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+    from scratchlm.write_errors import naming
+
+    if args.out is not None:
+        refuse_inputs(args.out, [args.continuations])
+    requests = read_requests(args.continuations)
+    tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
+    with torch.inference_mode():
+        scores = score_requests(model, tokenizer, requests, config.model.context_length, source=args.continuations,
+                                batch_size=args.batch_size, device=device)
+    records = [{"line": request.line, "loglikelihood": score.loglikelihood, "is_greedy": score.is_greedy,
+                "tokens": score.tokens} for request, score in zip(requests, scores)]
+    for record in records:
+        print(f"line {record['line']}: log-likelihood {record['loglikelihood']:.6f} over {record['tokens']} "
+              f"tokens{', greedy' if record['is_greedy'] else ''}")
+    greedy = sum(score.is_greedy for score in scores)
+    print(f"{len(scores)} continuations, {greedy} greedy  ({args.continuations})")
+    if args.out is not None:
+        with naming(args.out):  # a full disk names the file
+            args.out.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
     return 0
 
 
