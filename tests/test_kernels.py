@@ -162,6 +162,16 @@ def test_packed_linear_equals_x_wt_in_inference(rows, d_in, d_out):
 
 
 @needs_onednn
+def test_packed_linear_keeps_the_bias():
+    """The bias is added outside `matmul`, so packing (which replaces `matmul`) cannot drop it."""
+    layer, x = Linear(24, 40, bias=True), torch.randn(8, 24)
+    layer.bias.data.normal_()
+    with packed_weights(layer, rows=8), torch.inference_mode():
+        assert isinstance(layer.matmul, PackedLinear)
+        assert_close(layer(x), linear(x, layer.weight) + layer.bias)
+
+
+@needs_onednn
 def test_packed_weight_is_used_only_where_it_helps_and_while_current():
     """>= 3 float32 rows, no autograd, the weight unchanged since packing; otherwise the fallback, exactly."""
     layer = Linear(16, 24)
@@ -216,15 +226,26 @@ def test_without_onednn_nothing_is_packed(monkeypatch):
 
 # ---- the whole model -------------------------------------------------------------------------------------------
 
+# The switches of pretrained checkpoints: multi-query with q/k/v biases and a head_dim != d_model / num_heads;
+# grouped-query with QK-norm and llama3 RoPE scaling (an original context of 32 puts every band of its rule in use).
+MQA_BIAS_HEAD_DIM = {"num_kv_heads": 1, "qkv_bias": True, "head_dim": 24}
+GQA_LLAMA3 = {"num_kv_heads": 2, "qk_norm": True, "rope_scaling": "llama3", "rope_original_context": 32}
+
+
 def _pair(dtype: torch.dtype = torch.float32, fused: bool = False, **overrides) -> tuple[TransformerLM, TransformerLM]:
     torch.manual_seed(0)
     readable = TransformerLM(ModelConfig.preset("tiny", **overrides), dtype=dtype)
+    with torch.no_grad():  # biases start at 0, where a kernel that dropped them would still agree
+        for name, parameter in readable.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()
     return readable, kernels.apply(copy.deepcopy(readable), "cpu", fused_attention=fused)
 
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True}, {"position": "nope", "tie_embeddings": True}])
+@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True}, {"position": "nope", "tie_embeddings": True},
+                                       MQA_BIAS_HEAD_DIM, GQA_LLAMA3])
 def test_model_with_kernels_equals_readable_model_logits_and_parameter_gradients(fused, dtype, overrides):
     readable, fast = _pair(dtype, fused, **overrides)
     ids = torch.randint(0, readable.config.vocab_size, (3, 20))
@@ -239,8 +260,9 @@ def test_model_with_kernels_equals_readable_model_logits_and_parameter_gradients
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_model_with_kernels_decodes_like_the_readable_model(fused):
-    readable, fast = _pair(fused=fused)
+@pytest.mark.parametrize("overrides", [{}, MQA_BIAS_HEAD_DIM, GQA_LLAMA3])
+def test_model_with_kernels_decodes_like_the_readable_model(fused, overrides):
+    readable, fast = _pair(fused=fused, **overrides)
     ids = torch.randint(0, readable.config.vocab_size, (4, 12))
     mask = _left_padding(4, 5, [0, 1, 3, 4])
     logits = []

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.testing import assert_close
 
-from scratchlm.model.attention import RotaryPositionalEmbedding, scaled_dot_product_attention
+from scratchlm.model.attention import Llama3Scaling, RotaryPositionalEmbedding, scaled_dot_product_attention
 from scratchlm.model.layers import Embedding, LayerNorm, Linear, RMSNorm, silu, softmax
 
 
@@ -23,6 +23,22 @@ def test_linear_matches_nn_linear_over_leading_dims():
     x = torch.randn(2, 3, 5, 24)
     assert_close(ours(x), ref(x))
     assert ours.weight.shape == (40, 24)
+
+
+def test_linear_with_bias_matches_nn_linear_with_gradients():
+    ours = Linear(24, 40, bias=True)
+    assert_close(ours.bias, torch.zeros(40))  # starts at 0
+    ref = nn.Linear(24, 40)
+    ref.weight.data.copy_(ours.weight.data)
+    ours.bias.data.normal_()
+    ref.bias.data.copy_(ours.bias.data)
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    y = ours(x)
+    assert_close(y, ref(x))
+    grad = torch.randn_like(y)
+    assert_close(torch.autograd.grad(y, (x, ours.weight, ours.bias), grad),
+                 torch.autograd.grad(ref(x), (x, ref.weight, ref.bias), grad))
+    assert set(ours.state_dict()) == {"weight", "bias"} and set(Linear(24, 40).state_dict()) == {"weight"}
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (3,), (2, 8), (17,), (4, 10)])
@@ -219,3 +235,31 @@ def test_rope_preserves_relative_position_dot_products():
     q, k = torch.randn(8), torch.randn(8)
     dots = [(rope(q[None], torch.tensor([p + 3])) @ rope(k[None], torch.tensor([p])).T).item() for p in (0, 7, 20)]
     assert dots == pytest.approx([dots[0]] * 3, rel=1e-4)
+
+
+@pytest.mark.parametrize("head_dim, theta, factor, low, high, original", [
+    (128, 500_000.0, 8.0, 1.0, 4.0, 8192),  # Llama 3.1
+    (64, 500_000.0, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B/3B
+    (32, 10_000.0, 4.0, 0.5, 3.0, 256),  # a small model, all three bands in 16 frequencies
+])
+def test_llama3_inverse_frequencies_equal_transformers(head_dim, theta, factor, low, high, original):
+    """Our readable rule against transformers' ROPE_INIT_FUNCTIONS["llama3"]; every band of the rule occurs."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                            max_position_embeddings=4 * original, rope_parameters={
+                                "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                "high_freq_factor": high, "original_max_position_embeddings": original,
+                                "rope_theta": theta})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    assert attention_factor == 1.0  # llama3 scales the frequencies only, never cos/sin
+    scaling = Llama3Scaling(factor, low, high, original)
+    rope = RotaryPositionalEmbedding(theta, head_dim, 64, scaling=scaling)
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ours = scaling(plain)
+    assert_close(ours, expected, atol=0, rtol=1e-6)
+    divided, kept = torch.isclose(ours, plain / factor), torch.isclose(ours, plain)
+    assert divided.any() and kept.any() and (~divided & ~kept).any()  # long, short and in-between wavelengths
+    assert_close(rope.cos, (torch.arange(64.0)[:, None] * expected).cos())
+    assert_close(rope.sin, (torch.arange(64.0)[:, None] * expected).sin())

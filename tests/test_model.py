@@ -115,7 +115,7 @@ def test_token_positions_of_wrong_dtype_or_shape_are_refused():
 
 @pytest.mark.parametrize("other, message", [
     (dict(config=ModelConfig.preset("tiny", num_layers=1)), "layers 1 (model: 2)"),
-    (dict(config=ModelConfig.preset("tiny", num_heads=2)), "heads 2 (model: 4), head_dim 32 (model: 16)"),
+    (dict(config=ModelConfig.preset("tiny", num_heads=2)), "kv_heads 2 (model: 4), head_dim 32 (model: 16)"),
     (dict(config=TINY, dtype=torch.float64), "dtype torch.float64 (model: torch.float32)"),
 ])
 def test_kv_cache_built_for_another_model_is_refused(other, message):
@@ -276,3 +276,138 @@ def test_num_parameters_matches_closed_formula():
     per_layer = 4 * d * d + 3 * d * f + 2 * d
     assert model.num_parameters() == L * per_layer + 2 * V * d + d
     assert model.num_parameters(non_embedding=True) == L * per_layer + V * d + d
+
+
+# The switches of pretrained checkpoints: grouped-query attention, head_dim, q/k/v biases, llama3 RoPE scaling.
+GQA = dict(num_kv_heads=2, head_dim=24, qkv_bias=True, qk_norm=True)
+LLAMA3 = dict(rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32)  # every band in use
+
+
+def _randomize_biases(model: TransformerLM) -> TransformerLM:
+    """Biases start at 0, where a bug could not show: give them random values."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()
+    return model
+
+
+def test_default_switches_keep_the_state_dict_names_shapes_and_saved_configs():
+    """Defaults: no bias parameters, every attention matrix d × d as before; an old config (without the new keys)
+    loads as the same model."""
+    model = _model()
+    d = TINY.d_model
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for i in range(TINY.num_layers):
+        for p in ("q", "k", "v", "output"):
+            assert shapes.pop(f"layers.{i}.attn.{p}_proj.weight") == (d, d)
+    assert not [name for name in shapes if ".attn." in name or "bias" in name]
+    assert (TINY.num_kv_heads, TINY.head_dim, TINY.qkv_bias, TINY.rope_scaling) == (4, 16, False, "none")
+    new_keys = ("num_kv_heads", "head_dim", "qkv_bias", "rope_scaling", "rope_scaling_factor",
+                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+    old_saved = {key: value for key, value in TINY.to_dict().items() if key not in new_keys}
+    assert ModelConfig.from_dict(old_saved) == TINY
+    # RNG draws are unchanged (biases start at 0 without a draw): the same seed gives the same weights.
+    torch.manual_seed(3)
+    before = TransformerLM(TINY).state_dict()
+    torch.manual_seed(3)
+    explicit = TransformerLM(ModelConfig.preset("tiny", num_kv_heads=4, head_dim=16)).state_dict()
+    assert before.keys() == explicit.keys() and all(torch.equal(before[k], explicit[k]) for k in before)
+
+
+def test_gqa_head_dim_and_bias_shapes():
+    model = _model(**GQA)
+    attn = model.layers[0].attn
+    assert tuple(attn.q_proj.weight.shape) == (4 * 24, 64) and tuple(attn.q_proj.bias.shape) == (96,)
+    assert tuple(attn.k_proj.weight.shape) == (2 * 24, 64) and tuple(attn.v_proj.bias.shape) == (48,)
+    assert tuple(attn.output_proj.weight.shape) == (64, 96) and attn.output_proj.bias is None
+    assert tuple(attn.q_norm.weight.shape) == (24,)
+    assert {"layers.1.attn.q_proj.bias", "layers.1.attn.k_proj.bias", "layers.1.attn.v_proj.bias"} <= set(
+        model.state_dict())
+    cache = KVCache.for_model(model, batch_size=3)
+    assert tuple(cache.keys[0].shape) == (3, 2, TINY.context_length, 24)  # only the KV heads are cached
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+@pytest.mark.parametrize("extra", [dict(), dict(head_dim=24, qkv_bias=True, qk_norm=True), LLAMA3])
+def test_gqa_equals_multi_head_attention_with_the_kv_heads_repeated(num_kv_heads, extra):
+    """The oracle: a multi-head model whose K/V projections hold each KV head's rows once per query head of its
+    group (query heads 2j, 2j+1 share KV head j with 2 KV heads of 4) computes the same logits."""
+    torch.manual_seed(0)
+    gqa = _randomize_biases(_model(num_kv_heads=num_kv_heads, **extra))
+    mha = _model(**extra)
+    group = TINY.num_heads // num_kv_heads
+    head_dim = gqa.config.head_dim
+    weights = {}
+    for name, tensor in gqa.state_dict().items():
+        if re.search(r"attn\.[kv]_proj\.", name):  # (H_kv·d_k, ...) -> (H·d_k, ...)
+            tensor = tensor.unflatten(0, (num_kv_heads, head_dim)).repeat_interleave(group, dim=0).flatten(0, 1)
+        weights[name] = tensor
+    mha.load_state_dict(weights)
+    ids = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        assert_close(gqa(ids), mha(ids), atol=1e-5, rtol=1e-5)
+        mask = torch.ones(2, 20, dtype=torch.bool)
+        mask[0, :6] = False
+        assert_close(gqa(ids, attention_mask=mask), mha(ids, attention_mask=mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("extra", [dict(num_kv_heads=1), GQA, dict(num_kv_heads=2, **LLAMA3)])
+def test_kv_cache_with_the_new_switches_equals_full_recompute(extra, fused):
+    torch.manual_seed(0)
+    model = _randomize_biases(_model(**extra))
+    ids = torch.randint(0, TINY.vocab_size, (3, 20))
+    with torch.no_grad():
+        full = model(ids)
+        kernels.apply(model, fused_attention=fused)
+        cache = KVCache.for_model(model, batch_size=3)
+        chunks = [model(ids[:, :5], kv_cache=cache)]
+        chunks += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(5, 20)]
+    assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_new_switches_train_forward_and_backward():
+    model = _randomize_biases(_model(**GQA, **LLAMA3)).train()
+    model(torch.randint(0, TINY.vocab_size, (2, 12))).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+               for p in model.parameters())
+
+
+def test_head_dim_is_independent_of_d_model():
+    """d_model 60 does not split into 8 heads; an explicit head_dim makes it a valid model (Qwen3's shapes)."""
+    with pytest.raises(ValueError, match=r"model.d_model \(60\) must be divisible by model.num_heads \(8\)"):
+        ModelConfig.preset("tiny", d_model=60, num_heads=8)
+    model = _model(d_model=60, num_heads=8, head_dim=10)
+    assert tuple(model.layers[0].attn.q_proj.weight.shape) == (80, 60)
+    assert model(torch.randint(0, TINY.vocab_size, (1, 7))).shape == (1, 7, TINY.vocab_size)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_kv_heads=3), r"model.num_kv_heads \(3\) must divide model.num_heads \(4\)"),
+    (dict(num_kv_heads=0), r"model.num_kv_heads must be a positive integer, got 0"),
+    (dict(num_kv_heads=2.0), r"model.num_kv_heads must be a positive integer, got 2.0"),
+    (dict(head_dim=0), r"model.head_dim must be a positive integer, got 0"),
+    (dict(head_dim=15), r"RoPE needs an even head dimension, got model.head_dim = 15"),
+    (dict(qkv_bias="yes"), r"model.qkv_bias must be true or false, got 'yes'"),
+    (dict(rope_scaling="yarn"), r"model.rope_scaling must be one of \('none', 'llama3'\), got 'yarn'"),
+    (dict(rope_scaling_factor=0.0), r"model.rope_scaling_factor must be a finite number > 0, got 0.0"),
+    (dict(rope_low_freq_factor=float("nan")), r"model.rope_low_freq_factor must be a finite number > 0, got nan"),
+    (dict(rope_high_freq_factor=1.0), r"model.rope_high_freq_factor \(1.0\) must be greater than "
+                                      r"model.rope_low_freq_factor \(1.0\)"),
+    (dict(rope_original_context=-1), r"model.rope_original_context must be a positive integer, got -1"),
+])
+def test_config_rejects_bad_new_switches(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.preset("tiny", **overrides)
+    assert ModelConfig.preset("tiny", head_dim=15, position="nope").head_dim == 15  # odd is fine without RoPE
+
+
+def test_llama3_scaling_reaches_every_rope_table():
+    from scratchlm.model.attention import Llama3Scaling
+
+    scaled, plain = _model(**LLAMA3), _model()
+    for layer, unscaled in zip(scaled.layers, plain.layers):
+        assert layer.attn.rope.scaling == Llama3Scaling(4.0, 1.0, 4.0, 32) and unscaled.attn.rope.scaling is None
+        assert_close(layer.attn.rope.cos[:, 0], unscaled.attn.rope.cos[:, 0])  # the shortest wavelength is kept
+        assert_close(layer.attn.rope.cos[:, -1], (torch.arange(32.0) * 10_000 ** -(14 / 16) / 4).cos())  # divided

@@ -48,6 +48,9 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
     # Llama has no q/k norms and no logit cap (zero_init_residual is only an initialisation: it exports fine).
     wrong += [f"{name}={getattr(cfg, name)!r} (Llama has none)" for name in ("qk_norm", "logit_softcap")
               if getattr(cfg, name)]
+    # Not mapped yet: q/k/v biases and RoPE scaling (Llama itself can hold both).
+    wrong += [f"{name}={getattr(cfg, name)!r} (not mapped to Hugging Face yet)"
+              for name, off in (("qkv_bias", False), ("rope_scaling", "none")) if getattr(cfg, name) != off]
     if wrong:
         raise ValueError("this model cannot be expressed as a Hugging Face Llama: " + ", ".join(wrong))
 
@@ -57,9 +60,10 @@ def _pairs_to_halves(head_dim: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
 
 
-def _permute_heads(weight: torch.Tensor, num_heads: int, order: torch.Tensor) -> torch.Tensor:
-    """Reorder the output rows of a (num_heads·head_dim, d_model) projection within each head."""
-    return weight.unflatten(0, (num_heads, -1))[:, order].flatten(0, 1).contiguous()
+def _permute_heads(weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Reorder the output rows of a (heads·head_dim, d_model) projection within each head (head_dim = len(order);
+    K has num_kv_heads heads, Q num_heads)."""
+    return weight.unflatten(0, (-1, len(order)))[:, order].flatten(0, 1).contiguous()
 
 
 def to_hf_llama_config(cfg: ModelConfig):
@@ -69,7 +73,7 @@ def to_hf_llama_config(cfg: ModelConfig):
     check_llama_compatible(cfg)
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
@@ -143,7 +147,7 @@ def _convert(source: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> 
             continue
         tensor = source[src]
         if ours.endswith(_ROPE_PERMUTED):
-            tensor = _permute_heads(tensor, cfg.num_heads, order)
+            tensor = _permute_heads(tensor, order)
         out[dst] = tensor
     if missing:
         raise ValueError(f"state dict lacks {len(missing)} expected tensors, e.g. {missing[:3]}")

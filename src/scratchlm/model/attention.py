@@ -3,13 +3,18 @@
 - `RotaryPositionalEmbedding` (RoPE): rotates each ADJACENT pair (x₂ᵢ, x₂ᵢ₊₁) of a query or key by the angle
   pos · θ^(-2i/d_k), as the CS336 reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2) instead; compat/hf.py
   permutes Q/K rows to map). The cos/sin tables are precomputed once, as non-persistent buffers (never saved).
+  `Llama3Scaling` optionally rescales the frequencies first (Llama 3.1's long-context rule).
 - `scaled_dot_product_attention(Q, K, V, mask)`: softmax(Q Kᵀ / √d_k) V over any leading dims. `mask` is bool,
   True = may attend. A query whose keys are ALL masked returns zeros, not NaN: that happens at left-padding
   positions of a batch, whose outputs are never used, but NaNs there would still poison the backward pass.
 - `causal_attention(q, k, v, key_padding)`: the attention of a decoder, built on it: each query sees itself and
   the keys before it (and, with a KV cache, every cached key), never a padding key.
 - `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names),
-  optional QK-norm, RoPE, an optional KV cache for decoding.
+  optional q/k/v biases, optional QK-norm, RoPE, an optional KV cache for decoding. With grouped-query
+  attention (num_kv_heads < num_heads; 1 = multi-query) K and V have only num_kv_heads heads, each shared by
+  a group of num_heads / num_kv_heads consecutive query heads (Ainslie et al., 2023): the cache holds those
+  few heads, and each is repeated over its group right before the attention core, whose contract stays
+  (B, H, T, d_k) for q, k and v alike. The head size is its own setting (head_dim), independent of d_model.
 
 This file is the readable reference and what runs by default. Faster implementations of the same contracts
 live in model/kernels/ (a cache-blocked attention core, torch's fused SDPA, RoPE as one complex multiply); the
@@ -20,6 +25,7 @@ trainer and the generator switch them on from outside by setting `MultiHeadSelfA
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,15 +41,45 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
-class RotaryPositionalEmbedding(nn.Module):
-    """RoPE on adjacent pairs. forward(x (..., T, d_k), token_positions (..., T) long) -> same shape as x."""
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's RoPE frequency scaling (transformers' `_compute_llama3_parameters`), for a model trained at
+    `original_context` tokens and extended to longer contexts. Each frequency's wavelength 2π/ω decides:
+    - wavelengths above original_context / low_freq_factor (slow rotations, which never completed a turn
+      within the original context) rotate `factor` times slower: ω / factor;
+    - wavelengths below original_context / high_freq_factor (fast rotations, already seen at every angle) are
+      kept: ω;
+    - in between, a smooth interpolation: (1 - s) · ω / factor + s · ω, with s = (original_context / wavelength
+      - low_freq_factor) / (high_freq_factor - low_freq_factor) going from 0 to 1 over that band.
+    """
 
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None) -> None:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int
+
+    def __call__(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies ω (d_k/2,)."""
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (self.original_context / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smooth = smooth.clamp(0.0, 1.0)  # 0: long wavelengths (ω / factor), 1: short ones (ω kept)
+        return (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    """RoPE on adjacent pairs. forward(x (..., T, d_k), token_positions (..., T) long) -> same shape as x.
+    `scaling` (e.g. `Llama3Scaling`) maps the inverse frequencies θ^(-2i/d_k) before the tables are built."""
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None,
+                 scaling: Llama3Scaling | None = None) -> None:
         super().__init__()
         if d_k % 2:
             raise ValueError(f"RoPE needs an even d_k, got {d_k}")
-        self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
+        self.theta, self.d_k, self.max_seq_len, self.scaling = theta, d_k, max_seq_len, scaling
         inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.int64).float() / d_k)
+        if scaling is not None:
+            inv_freq = scaling(inv_freq)
         angles = torch.arange(max_seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (S, d_k/2)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -61,7 +97,8 @@ class RotaryPositionalEmbedding(nn.Module):
         return self.rotate(x.to(real), cos.to(real), sin.to(real)).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}{scaling}"
 
 
 def check_attention_mask(mask: torch.Tensor | None) -> None:
@@ -101,23 +138,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device))
 
 
+def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H_kv, T, d) -> (B, H_kv·group, T, d): KV head j repeated for query heads j·group ... (j+1)·group - 1
+    (Hugging Face's `repeat_kv` order). group 1 (multi-head attention) returns x itself, no copy."""
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
 class MultiHeadSelfAttention(nn.Module):
-    """Causal MHSA. theta=None means no position encoding (the "nope" ablation)."""
+    """Causal MHSA, or grouped-query attention with num_kv_heads < num_heads. theta=None means no position
+    encoding (the "nope" ablation). head_dim None: d_model / num_heads; num_kv_heads None: num_heads."""
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
-                 qk_norm: bool = False, norm_eps: float = 1e-5, device=None, dtype=None) -> None:
+                 qk_norm: bool = False, norm_eps: float = 1e-5, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, qkv_bias: bool = False, rope_scaling: Llama3Scaling | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if head_dim is None and d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads}), or give head_dim")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         if theta is not None and max_seq_len is None:
             raise ValueError("RoPE (theta given) needs max_seq_len for its rotation table")
-        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim = d_model // num_heads if head_dim is None else head_dim
         self.max_seq_len = max_seq_len
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.rope = None if theta is None else RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device)
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.q_proj = Linear(d_model, q_size, bias=qkv_bias, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, kv_size, bias=qkv_bias, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, kv_size, bias=qkv_bias, device=device, dtype=dtype)
+        self.output_proj = Linear(q_size, d_model, device=device, dtype=dtype)
+        self.rope = None if theta is None else RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device,
+                                                                         scaling=rope_scaling)
         # QK-norm: each head's q and k scaled to unit RMS (times a learned gain) before RoPE, so a score q·k/√d_k
         # cannot grow with the weights' scale: attention logits stay bounded and high learning rates stay stable.
         self.q_norm = RMSNorm(self.head_dim, norm_eps, device=device, dtype=dtype) if qk_norm else None
@@ -136,8 +188,9 @@ class MultiHeadSelfAttention(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         if self.max_seq_len is not None and past + x.shape[-2] > self.max_seq_len:
             raise ValueError(f"sequence length {past + x.shape[-2]} exceeds max_seq_len {self.max_seq_len}")
-        q, k, v = (self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, T, d_k)
-        if self.q_norm is not None:
+        q = self._heads(self.q_proj(x), self.num_heads)  # (B, H, T, d_k)
+        k, v = self._heads(self.k_proj(x), self.num_kv_heads), self._heads(self.v_proj(x), self.num_kv_heads)
+        if self.q_norm is not None:  # k, v: (B, H_kv, T, d_k)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             positions = token_positions
@@ -145,12 +198,14 @@ class MultiHeadSelfAttention(nn.Module):
                 positions = positions.unsqueeze(-2)  # (B, 1, T): broadcast over heads
             q, k = self.rope(q, positions, start=past), self.rope(k, positions, start=past)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer_index, k, v)  # (B, H, past + T, d_k)
+            k, v = kv_cache.update(layer_index, k, v)  # (B, H_kv, past + T, d_k): the cache holds the KV heads only
+        group = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)  # (B, H, T_k, d_k): each KV head per group
         out = self.attention_core(q, k, v, key_padding)  # (B, H, T, d_k)
-        return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, d_model)
+        return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, H·d_k) -> (B, T, d_model)
 
-    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
-        """(B, T, d_model) -> (B, H, T, d_k), a view. Q, K and V are three projections: one matmul against the
-        concatenated weights is no faster on large inputs, copies 3·d² weights per call (most of the work when
-        decoding one token), keeps that copy alive for backward, and its split costs a copy in backward."""
-        return projected.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
+    def _heads(self, projected: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, T, heads·d_k) -> (B, heads, T, d_k), a view. Q, K and V are three projections: one matmul against
+        the concatenated weights is no faster on large inputs, copies its weights per call (most of the work
+        when decoding one token), keeps that copy alive for backward, and its split costs a copy in backward."""
+        return projected.unflatten(-1, (heads, self.head_dim)).transpose(-3, -2)

@@ -2,8 +2,14 @@
 
 The config is the single source of truth for a model: the trainer saves it beside every checkpoint, and
 `TransformerLM(config)` rebuilds the same model from it. Ablations are switches here, never forks of the
-model code. Two fields may be derived: ``d_ff`` from the FFN kind, and ``vocab_size``, which a training config
-may leave out: train sets it to the tokenizer's vocabulary size (rounded up to ``pad_vocab_to``).
+model code. Some fields may be derived: ``d_ff`` from the FFN kind, ``num_kv_heads`` (= ``num_heads``) and
+``head_dim`` (= ``d_model / num_heads``) from the head count, and ``vocab_size``, which a training config may
+leave out: train sets it to the tokenizer's vocabulary size (rounded up to ``pad_vocab_to``).
+
+The switches that real pretrained checkpoints use default to off, so an old saved config (without them) loads
+as the same model: grouped-query attention (``num_kv_heads`` < ``num_heads``; 1 is multi-query), a head size
+independent of ``d_model`` (``head_dim``), q/k/v biases (``qkv_bias``) and Llama 3's RoPE frequency scaling
+(``rope_scaling = "llama3"`` with its four ``rope_*`` parameters, read only then).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "nope")
 FFNS = ("swiglu", "silu", "relu2")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -42,8 +49,15 @@ class ModelConfig:
     d_model: int = 512
     num_layers: int = 4
     num_heads: int = 16
+    num_kv_heads: int | None = None  # None: num_heads; fewer (dividing it): grouped-query attention; 1: multi-query
+    head_dim: int | None = None  # None: d_model / num_heads; given: any even size (Qwen3-0.6B: d 1024, 16 × 128)
     d_ff: int | None = None  # None: derived from `ffn` (SwiGLU ≈ 8/3·d rounded to 64; SiLU and ReLU² FFNs 4·d)
     rope_theta: float = 10_000.0
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long-context rule on the RoPE frequencies)
+    rope_scaling_factor: float = 8.0  # llama3: long wavelengths are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
+    rope_original_context: int = 8192  # llama3: the context length the model was first trained at
     norm: str = "rmsnorm"  # rmsnorm | layernorm | none
     norm_position: str = "pre"  # pre | post
     position: str = "rope"  # rope | nope
@@ -51,6 +65,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE: bounds the attention logits
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2); the output projection never does
     zero_init_residual: bool = False  # attention output and FFN down projections start at 0 (blocks start as identity)
     logit_softcap: float = 0.0  # logits -> cap · tanh(logits / cap); 0: no cap
 
@@ -60,12 +75,22 @@ class ModelConfig:
         if self.vocab_size is not None:
             self._check_positive_int("vocab_size")
             self.vocab_size = round_up(self.vocab_size, self.pad_vocab_to)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        self._check_positive_int("num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads "
+                             f"({self.num_heads}): each KV head serves an equal group of query heads")
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                                 f"({self.num_heads}), or give model.head_dim")
+            self.head_dim = self.d_model // self.num_heads
+        self._check_positive_int("head_dim")
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got d_model/num_heads = {self.head_dim}")
+            raise ValueError(f"RoPE needs an even head dimension, got model.head_dim = {self.head_dim}")
         for name, allowed in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("position", POSITIONS),
-                              ("ffn", FFNS)):
+                              ("ffn", FFNS), ("rope_scaling", ROPE_SCALINGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.d_ff is None:
@@ -75,7 +100,14 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
         if not _is_finite_number(self.norm_eps) or self.norm_eps < 0:
             raise ValueError(f"model.norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
-        for name in ("tie_embeddings", "qk_norm", "zero_init_residual"):
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            if not _is_finite_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:  # the llama3 rule divides by their difference
+            raise ValueError(f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
+                             f"model.rope_low_freq_factor ({self.rope_low_freq_factor})")
+        self._check_positive_int("rope_original_context")
+        for name in ("tie_embeddings", "qk_norm", "qkv_bias", "zero_init_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
         if not (_is_finite_number(self.logit_softcap) and self.logit_softcap >= 0):
@@ -86,10 +118,6 @@ class ModelConfig:
         value = getattr(self, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
 
     def non_embedding_params(self, total: int) -> int:
         """`total` parameters less the input token-embedding table (V·d): the one non-embedding count, used by

@@ -1,6 +1,8 @@
 """KVCache: preallocated per-layer key/value buffers for incremental decoding.
 
-Design: one (B, H, T_max, d_k) key buffer and one value buffer per layer, allocated once; `length` is how many
+Design: one (B, H_kv, T_max, d_k) key buffer and one value buffer per layer, allocated once, with H_kv the
+model's num_kv_heads (fewer than its query heads under grouped-query attention: that is the point of GQA, a
+cache num_heads / num_kv_heads times smaller); `length` is how many
 positions are filled (shared by all rows of the batch). Each attention layer writes its new keys/values at
 [length, length + T) through `update`; the model calls `advance(T, attention_mask)` once after all layers ran.
 
@@ -17,9 +19,9 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch_size: int, num_heads: int, max_seq_len: int, head_dim: int,
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  device=None, dtype=torch.float32) -> None:
-        shape = (batch_size, num_heads, max_seq_len, head_dim)
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.key_padding = torch.ones(batch_size, max_seq_len, dtype=torch.bool, device=device)
@@ -36,7 +38,7 @@ class KVCache:
                    dtype=dtype)
 
     def check_model(self, model) -> None:
-        """A clear error when the cache was built for another model (layers, heads, head size, dtype, device)."""
+        """A clear error when the cache was built for another model (layers, KV heads, head size, dtype, device)."""
         keys, expected = self.keys[0], _layout(model)
         found = (len(self.keys), keys.shape[1], keys.shape[3], keys.dtype, keys.device)
         if found != expected:
@@ -68,7 +70,7 @@ class KVCache:
         return (self.next_position[:, None] + steps - 1).clamp_min(0)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H, T, d_k) of `layer` at the current length; return all keys/values so far."""
+        """Store k, v (B, H_kv, T, d_k) of `layer` at the current length; return all keys/values so far."""
         end = self.length + k.shape[-2]
         self.keys[layer][:, :, self.length:end] = k
         self.values[layer][:, :, self.length:end] = v
@@ -87,10 +89,10 @@ class KVCache:
         self.has_padding = False
 
 
-_LAYOUT = ("layers", "heads", "head_dim", "dtype", "device")
+_LAYOUT = ("layers", "kv_heads", "head_dim", "dtype", "device")
 
 
 def _layout(model) -> tuple:
     """What a cache for `model` (a TransformerLM) must match, in the order of _LAYOUT."""
     cfg, weight = model.config, model.token_embeddings.weight
-    return cfg.num_layers, cfg.num_heads, cfg.head_dim, weight.dtype, weight.device
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device

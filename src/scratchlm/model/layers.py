@@ -1,6 +1,6 @@
 """The building blocks of the Transformer, from tensor primitives: Linear, Embedding, norms, silu, softmax.
 
-Each layer mirrors its torch counterpart (`nn.Linear` without bias, `nn.Embedding`, `nn.RMSNorm`,
+Each layer mirrors its torch counterpart (`nn.Linear`, `nn.Embedding`, `nn.RMSNorm`,
 `nn.LayerNorm`, `F.silu`, `torch.softmax`); tests/test_layers.py proves the equality on random and extreme
 inputs. Design choices:
 - Weights are stored as the reference does (`Linear.weight` is (out, in)), so CS336 reference state dicts load
@@ -11,7 +11,8 @@ inputs. Design choices:
   `torch.softmax`) instead of the four intermediates a chain of primitives would keep alive, which matters
   for the (B, H, T, T) attention scores.
 - `Linear` computes x Wᵀ through its `matmul` attribute, `linear` here unless the trainer or the generator
-  switched in a faster equivalent from model/kernels/ (`kernels.apply`).
+  switched in a faster equivalent from model/kernels/ (`kernels.apply`). The optional bias (only the q/k/v
+  projections of ``qkv_bias`` models have one) is added after `matmul`, so every kernel computes x Wᵀ alone.
 """
 
 from __future__ import annotations
@@ -38,20 +39,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x Wᵀ without bias; W is (out_features, in_features), init N(0, 2/(in+out)) truncated at ±3σ."""
+    """y = x Wᵀ (+ b with bias=True); W is (out_features, in_features), init N(0, 2/(in+out)) truncated at ±3σ;
+    b (out_features,) starts at 0. Without bias there is no `bias` parameter (the state dict holds W only)."""
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self.matmul = linear  # model/kernels/ may swap in a faster x Wᵀ (a few rows on CPU, packed weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 # The dtypes torch indexes rows with. uint8 would be taken as a boolean mask (`weight[ids]` selects the rows

@@ -2,7 +2,8 @@
 
 `TransformerLM(config)` is built entirely from a `ModelConfig`; the ablation switches (norm kind and position,
 RoPE or none, SwiGLU, SiLU or ReLU² FFN, tied embeddings, QK-norm, zero-initialised residual projections, logit
-soft-capping) select modules here, never forks of the code. Parameter
+soft-capping) and the switches of pretrained checkpoints (grouped-query attention, head_dim, q/k/v biases,
+llama3 RoPE scaling) select modules here, never forks of the code. Parameter
 names follow the CS336 reference (`token_embeddings`, `layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`,
 `ffn.w1/w2/w3`, `ln_final`, `lm_head`) so reference weights load without remapping.
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.attention import Llama3Scaling, MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import Embedding, Linear, check_index_dtype, make_norm, relu_squared, silu
@@ -72,12 +73,15 @@ class TransformerBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int | None = None,
                  theta: float | None = None, norm: str = "rmsnorm", norm_position: str = "pre",
                  ffn: str = "swiglu", norm_eps: float = 1e-5, qk_norm: bool = False, device=None,
-                 dtype=None) -> None:
+                 dtype=None, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False, rope_scaling: Llama3Scaling | None = None) -> None:
         super().__init__()
         self.pre_norm = norm_position == "pre"
         self.ln1 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
         self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, qk_norm=qk_norm,
-                                           norm_eps=norm_eps, device=device, dtype=dtype)
+                                           norm_eps=norm_eps, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                           qkv_bias=qkv_bias, rope_scaling=rope_scaling, device=device,
+                                           dtype=dtype)
         self.ln2 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
         self.ffn = FFN_CLASSES[ffn](d_model, d_ff, device=device, dtype=dtype)
 
@@ -100,11 +104,15 @@ class TransformerLM(nn.Module):
             raise ValueError("model.vocab_size is not set: give it, or let `scratchlm train` take the tokenizer's")
         self.config = config
         theta = config.rope_theta if config.position == "rope" else None
+        scaling = None if config.rope_scaling == "none" else Llama3Scaling(
+            config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+            config.rope_original_context)
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             TransformerBlock(config.d_model, config.num_heads, config.d_ff, config.context_length, theta,
                              config.norm, config.norm_position, config.ffn, config.norm_eps, config.qk_norm,
-                             device, dtype)
+                             device, dtype, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             qkv_bias=config.qkv_bias, rope_scaling=scaling)
             for _ in range(config.num_layers))
         self.ln_final = make_norm(config.norm, config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
