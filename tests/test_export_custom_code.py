@@ -183,6 +183,51 @@ def test_folder_alone_loads_in_another_process(tokenizer, tmp_path):
     assert result["tokens"][:, 4:].tolist() == ours
 
 
+TRANSFORMERS4_PYTHON = os.environ.get("SCRATCHLM_TRANSFORMERS4_PYTHON")
+LOAD_IN_TRANSFORMERS4 = """
+import sys, torch, transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+inputs = torch.load(sys.argv[1])
+results = {}
+for case, folder in inputs["folders"].items():
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(inputs["ids"]).logits
+        padded = model(inputs["ids"], attention_mask=inputs["mask"]).logits
+        tokens = model.generate(inputs["ids"][:, :8], attention_mask=inputs["mask"][:, :8], max_new_tokens=16,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    results[case] = {"logits": logits, "padded": padded, "tokens": tokens[:, 8:]}
+torch.save({"results": results, "version": transformers.__version__}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not TRANSFORMERS4_PYTHON, reason="needs SCRATCHLM_TRANSFORMERS4_PYTHON, a Python with "
+                    "transformers 4.x and torch (scripts/test_transformers_versions.sh sets it)")
+def test_transformers_4_loads_the_folders_with_equal_logits_and_generation(tokenizer, tmp_path):
+    """Exported here (the pinned transformers), loaded by transformers 4.x in its own Python, compared here."""
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1: a prompt of 5 tokens after 3 of left padding
+    models = {case: random_model(tokenizer, **overrides) for case, overrides in CASES.items()}
+    folders = {case: str(tmp_path / f"scratchlm_{case}") for case in CASES}
+    for case, model in models.items():
+        export_custom_code(model, tokenizer, tmp_path / f"scratchlm_{case}")
+    torch.save({"folders": folders, "ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    subprocess.run([TRANSFORMERS4_PYTHON, "-c", LOAD_IN_TRANSFORMERS4, "inputs.pt", "out.pt"], check=True,
+                   cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    loaded = torch.load(tmp_path / "out.pt")
+    real = mask.bool()
+    prompts = [ids[0, :8].tolist(), ids[1, 3:8].tolist()]
+    for case, model in models.items():
+        theirs = loaded["results"][case]
+        named = {"rtol": 1e-5, "atol": 1e-5, "msg": lambda text, case=case: f"{case}: {text}"}
+        with torch.no_grad():
+            torch.testing.assert_close(theirs["logits"], model(ids), **named)
+            torch.testing.assert_close(theirs["padded"][real], model(ids, attention_mask=real)[real], **named)
+        assert theirs["tokens"].tolist() == generate(model, prompts, 16, temperature=0), \
+            f"{case}: transformers {loaded['version']} generated other tokens"
+
+
 def test_tokenizer_larger_than_the_model_is_refused(tokenizer, tmp_path):
     model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size - 1))
     with pytest.raises(ValueError, match=f"tokenizer has {tokenizer.vocab_size} ids but the model only"):
