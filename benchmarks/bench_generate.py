@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_generate.py            # 240 new tokens, batch 1 and 8, 3 rounds
     .venv/bin/python benchmarks/bench_generate.py --quick    # 64 new tokens, 1 round
     .venv/bin/python benchmarks/bench_generate.py --profile  # cProfile of our batch-1 decode, top functions
+    .venv/bin/python benchmarks/bench_generate.py --gqa      # grouped-query attention: 8 query heads, 2 KV heads
 
 The model is tinystories-17m (context 256) with random weights; HF gets the very same weights through
 compat/hf.py. All decode greedily for exactly `--new-tokens` tokens (HF: min_new_tokens, no eos) after a
@@ -14,6 +15,9 @@ Targets (issue 5): ours >= 2x HF and >= 5x our own no-cache loop, in tokens/s. T
 tokens goes past the context, so it is a row of ours only (KV cache, one window slide and re-prefill).
 The no-cache loop recomputes the whole window every step, so it runs at batch 1 only (it is the slow one).
 A second part runs both in bf16 (weights and KV cache); HF in fp32 beside it is a cross-precision reference.
+`--gqa` instead runs the same model with grouped-query attention (8 query heads of 64 sharing 2 KV heads,
+`GQA`), ours against HF's Llama of the same config and weights, in tokens/s (greedy tokens asserted identical)
+and in KV-cache bytes: ours preallocates the whole context, HF's cache grows to prompt + new tokens.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import pstats
 import torch
 
 from harness import hf_llama, interleave, report, table
+from scratchlm.accounting.params_flops import kv_cache_bytes_per_token
 from scratchlm.compat.hf import to_hf_state_dict
 from scratchlm.generate.sampling import generate
-from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.model import KVCache, ModelConfig, TransformerLM
 
 PRESET = "tinystories-17m"
 PROMPT_LENGTH = 16
@@ -39,9 +44,12 @@ SLIDE_TOKEN = ModelConfig.preset(PRESET).context_length - PROMPT_LENGTH + 2
 ISSUE_NEW_TOKENS = 256  # issue 5's figure: 16 past the context, so ours only
 
 
-def build_models() -> tuple[TransformerLM, torch.nn.Module]:
+GQA = dict(num_heads=8, num_kv_heads=2)  # --gqa: d_model 512 in 8 query heads of 64, 4 per KV head
+
+
+def build_models(**overrides) -> tuple[TransformerLM, torch.nn.Module]:
     torch.manual_seed(0)
-    ours = TransformerLM(ModelConfig.preset(PRESET)).eval()
+    ours = TransformerLM(ModelConfig.preset(PRESET, **overrides)).eval()
     hf = hf_llama(ours.config, to_hf_state_dict(ours.state_dict(), ours.config), "sdpa").eval()
     return ours, hf
 
@@ -129,6 +137,31 @@ def bench_bf16(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
           f"not a like-for-like comparison)", list(cross.values()), work, "tokens", peak=False)
 
 
+def bench_gqa(batch: int, new_tokens: int, repeats: int, ours, hf) -> None:
+    """tokens/s of ours and HF with grouped-query attention (greedy tokens asserted identical), and the bytes each
+    KV cache holds: ours as allocated (the whole context), HF's after generate (prompt + new tokens)."""
+    bench(batch, new_tokens, repeats, ours=ours, hf=hf)
+    prompts = random_prompts(batch, ours.config.vocab_size)
+    cache = KVCache.for_model(ours, batch)
+    ours_bytes = sum(t.nbytes for t in cache.keys + cache.values)
+    config = ours.config
+    assert ours_bytes == batch * config.context_length * kv_cache_bytes_per_token(config)
+    with torch.inference_mode():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                          use_cache=True, return_dict_in_generate=True)
+    hf_cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5 renamed the field
+    hf_bytes = sum(t.nbytes for layer in hf_cache.layers for t in (layer.keys, layer.values))
+    held = PROMPT_LENGTH + new_tokens - 1  # the last new token is sampled, never fed back
+    assert hf_bytes == batch * held * kv_cache_bytes_per_token(config)
+    multi_head = kv_cache_bytes_per_token(ModelConfig(**{**config.to_dict(), "num_kv_heads": config.num_heads}))
+    print(f"\n## KV cache, batch {batch}, fp32: {kv_cache_bytes_per_token(config):,} B per token with "
+          f"{config.num_kv_heads} KV heads ({multi_head:,} B with {config.num_heads}, multi-head)\n")
+    print("| cache | tokens held | bytes |\n|---|---:|---:|")
+    print(f"| ours (preallocated for the context) | {batch} × {config.context_length} | {ours_bytes:,} |")
+    print(f"| HF DynamicCache (after generate) | {batch} × {held} | {hf_bytes:,} |")
+
+
 def profile(ours, new_tokens: int) -> None:
     prompt = list(range(PROMPT_LENGTH))
     generate(ours, prompt, 8, temperature=0)
@@ -143,6 +176,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile our batch-1 decode instead")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help=f"at most {SAME_COMPUTATION_TOKENS} (default; --quick: 64)")
+    parser.add_argument("--gqa", action="store_true",
+                        help=f"grouped-query attention ({GQA['num_heads']} query heads, {GQA['num_kv_heads']} KV "
+                             "heads) against HF at the same config: tokens/s and KV-cache bytes, batch 1 and 8")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,12 +186,18 @@ def main() -> None:
     if new_tokens > SAME_COMPUTATION_TOKENS:
         parser.error(f"--new-tokens {new_tokens}: more than {SAME_COMPUTATION_TOKENS}, the {PROMPT_LENGTH}-token "
                      "prompt and the new tokens do not fit the context")
-    ours, hf = build_models()
+    ours, hf = build_models(**(GQA if args.gqa else {}))
     if args.profile:
         profile(ours, new_tokens)
         return
-    print(f"{PRESET}, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} threads")
+    shape = f" with {GQA['num_heads']} query heads sharing {GQA['num_kv_heads']} KV heads" if args.gqa else ""
+    print(f"{PRESET}{shape}, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} "
+          f"threads")
     repeats = 1 if args.quick else 3
+    if args.gqa:
+        for batch in (1, 8):
+            bench_gqa(batch, new_tokens, repeats, ours=ours, hf=hf)
+        return
     for batch in (1, 8):
         bench(batch, new_tokens, repeats, ours=ours, hf=hf)
     for batch in (1, 8):

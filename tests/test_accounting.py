@@ -24,12 +24,13 @@ from scratchlm.accounting.op_study import time_interleaved
 from scratchlm.accounting.params_flops import (
     count_params,
     forward_flops,
+    kv_cache_bytes_per_token,
     matrix_table,
     six_n_d_flops,
     training_step_flops,
 )
 from scratchlm.cli import main
-from scratchlm.model import ModelConfig, TransformerLM, kernels
+from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.train.loss import cross_entropy
 
 BASE = dict(vocab_size=96, context_length=24, d_model=48, num_layers=2, num_heads=4, d_ff=80)
@@ -43,6 +44,10 @@ ABLATIONS = [
     dict(ffn="swiglu", d_ff=None),
     dict(tie_embeddings=True),
     dict(norm="layernorm", ffn="silu", tie_embeddings=True, position="nope", num_layers=3, num_heads=6),
+    # The switches of pretrained checkpoints: grouped-query and multi-query attention, head_dim != d/h, biases.
+    dict(num_kv_heads=2),
+    dict(num_kv_heads=1, qkv_bias=True),
+    dict(num_kv_heads=2, head_dim=16, qkv_bias=True, rope_scaling="llama3", rope_original_context=32),
 ]
 
 
@@ -81,6 +86,54 @@ def test_closed_formula_for_swiglu_4d():
     L, d, V = config.num_layers, config.d_model, config.vocab_size
     assert count_params(config).total == L * (16 * d * d + 2 * d) + 2 * V * d + d
     assert count_params(config).total == pytest.approx(2.13e9, rel=0.005)
+
+
+def test_gqa_head_dim_and_bias_counts_by_hand():
+    """d 48, 4 query heads and 2 KV heads of 16: q = 64, k = 32 wide, every weight counted by hand."""
+    config = _config(dict(num_kv_heads=2, head_dim=16, qkv_bias=True))
+    attention = 64 * 48 + 32 * 48 + 32 * 48 + 48 * 64 + (64 + 32 + 32)  # Q, K, V, O and the q/k/v biases
+    assert count_params(config).attention == 2 * attention
+    flops = forward_flops(config, context=10, batch=3)
+    assert flops.attention_proj == 2 * 2 * 30 * 48 * (64 + 32 + 32 + 64)  # 2 layers, 30 tokens, 2mkn
+    assert flops.attention_scores == flops.attention_values == 2 * 3 * 4 * (2 * 10 * 10 * 16)  # per head, all H
+    rows = {row.name: row for row in matrix_table(config, 10, 3)}
+    assert (rows["K"].params, rows["K"].forward_flops) == (2 * (32 * 48 + 32), 2 * 2 * 30 * 48 * 32)
+    assert (rows["O"].params, rows["O"].shape) == (2 * 48 * 64, "d×H·d_h = 48×64")
+    assert count_params(_config(dict(rope_scaling="llama3"))) == count_params(_config({}))  # no parameters
+
+
+def test_llama_3_2_1b_shape_counts_its_published_parameters_and_kv_cache():
+    """Llama 3.2 1B (GQA: 32 query heads, 8 KV heads of 64; tied embeddings): 1,235,814,400 parameters, and a
+    KV cache of 2 · 16 layers · 8 heads · 64 · 2 B = 32 KiB per token in bf16."""
+    config = ModelConfig(vocab_size=128_256, context_length=8192, d_model=2048, num_layers=16, num_heads=32,
+                         num_kv_heads=8, d_ff=8192, tie_embeddings=True, rope_theta=500_000.0,
+                         rope_scaling="llama3", rope_scaling_factor=32.0)
+    assert count_params(config).total == 1_235_814_400
+    assert count_params(config).total == sum(p.numel() for p in TransformerLM(config, device="meta").parameters())
+    assert kv_cache_bytes_per_token(config, 2) == 32 * 1024
+    assert kv_cache_bytes_per_token(ModelConfig(**{**config.to_dict(), "num_kv_heads": 32}), 2) == 4 * 32 * 1024
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(num_kv_heads=2), dict(num_kv_heads=1, head_dim=16)])
+def test_kv_cache_bytes_per_token_equal_the_real_cache(overrides):
+    config = _config(overrides)
+    model = TransformerLM(config)
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        cache = KVCache.for_model(model.to(dtype), batch_size=3)
+        held = sum(t.nbytes for t in cache.keys + cache.values)
+        assert held == 3 * config.context_length * kv_cache_bytes_per_token(config, size)
+
+
+def test_gqa_param_count_equals_hugging_face_llama():
+    from transformers import LlamaForCausalLM
+
+    from scratchlm.compat.hf import to_hf_llama_config
+
+    for overrides in (dict(num_kv_heads=2), dict(num_kv_heads=1, head_dim=16)):
+        config = _config(overrides)
+        with torch.device("meta"):
+            hf = LlamaForCausalLM(to_hf_llama_config(config))
+        assert count_params(config).total == sum(p.numel() for p in hf.parameters())
 
 
 def _counted_matmul_flops(model: TransformerLM, tokens: torch.Tensor) -> int:
@@ -219,6 +272,9 @@ def test_cli_table_and_json(capsys):
     assert report["params"]["total"] == 2_127_057_600
     assert report["forward_flops"]["total"] == 4 * forward_flops(ModelConfig.preset("gpt2-xl"), 1024).total
     assert report["max_batch"] == {"memory_bytes": 80 * 10**9, "scratchlm": 3, "cs336": 3}
+    assert report["kv_cache_bytes"] == {"per_token_fp32": 2 * 48 * 1600 * 4, "per_token_bf16": 2 * 48 * 1600 * 2,
+                                        "batch_context_fp32": 4 * 1024 * 2 * 48 * 1600 * 4}
+    assert "KV cache when decoding: 614.40 kB per token in fp32" in table
     assert report["time_to_train"]["days"] == pytest.approx(3.87, rel=0.01)
 
 

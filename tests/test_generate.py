@@ -37,6 +37,21 @@ def model() -> TransformerLM:
     return model
 
 
+@pytest.fixture(scope="module")
+def gqa_model() -> TransformerLM:
+    """The switches of pretrained checkpoints: 4 query heads sharing 2 KV heads of head_dim 24 (not 64/4), q/k/v
+    biases (random: at 0 they could not show) and llama3 RoPE scaling."""
+    torch.manual_seed(4321)
+    model = TransformerLM(ModelConfig.preset("tiny", num_kv_heads=2, head_dim=24, qkv_bias=True,
+                                             rope_scaling="llama3", rope_original_context=16))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+        for layer in model.layers:
+            for projection in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):
+                projection.bias.normal_()
+    return model
+
+
 def _random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
@@ -44,8 +59,11 @@ def _random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 # --- KV cache vs full recomputation -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lengths", [[7], [5, 12, 1], [40, 3]])  # [40, 3]: a prompt longer than the context
-def test_cached_logits_equal_full_recompute_at_every_step(model, lengths):
+@pytest.mark.parametrize("which, lengths", [("model", [7]), ("model", [5, 12, 1]), ("model", [40, 3]),
+                                            ("gqa_model", [5, 12, 1]), ("gqa_model", [40, 3])])
+def test_cached_logits_equal_full_recompute_at_every_step(request, which, lengths):
+    """[40, 3]: a prompt longer than the context."""
+    model = request.getfixturevalue(which)
     steps = 3 * CONTEXT  # slides the window several times
     prompts = _random_prompts(lengths)
     cached, full = _Decoder(model, prompts, steps, use_cache=True), _Decoder(model, prompts, steps, use_cache=False)
@@ -64,7 +82,9 @@ def test_cached_logits_equal_full_recompute_at_every_step(model, lengths):
                 torch.testing.assert_close(got[row], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_cached_equals_greedy_uncached_beyond_context(model):
+@pytest.mark.parametrize("which", ["model", "gqa_model"])
+def test_greedy_cached_equals_greedy_uncached_beyond_context(request, which):
+    model = request.getfixturevalue(which)
     prompts = _random_prompts([4, 9])
     cached = generate(model, prompts, 3 * CONTEXT, temperature=0)
     assert cached == generate(model, prompts, 3 * CONTEXT, temperature=0, use_cache=False)
@@ -72,7 +92,9 @@ def test_greedy_cached_equals_greedy_uncached_beyond_context(model):
     assert len(set(cached[0])) > 5  # a real path, not one token repeated
 
 
-def test_batch_of_different_lengths_equals_each_prompt_alone(model):
+@pytest.mark.parametrize("which", ["model", "gqa_model"])
+def test_batch_of_different_lengths_equals_each_prompt_alone(request, which):
+    model = request.getfixturevalue(which)
     prompts = _random_prompts([1, 6, 13, 3])
     batch = generate(model, prompts, CONTEXT - 13, temperature=0)
     assert batch == [generate(model, p, CONTEXT - 13, temperature=0)[0] for p in prompts]

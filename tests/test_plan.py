@@ -50,6 +50,15 @@ def test_candidates_keep_the_recipe_and_use_heads_of_about_64_dimensions():
     assert all(s.head_dim == 64 for s in shapes if s.d_model % 64 == 0)
 
 
+def test_candidates_of_a_gqa_recipe_keep_its_group_and_rederive_head_dim():
+    base = ModelConfig(vocab_size=4096, context_length=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                       head_dim=48)
+    shapes = candidate_shapes(base)
+    assert all(s.head_dim == s.d_model // s.num_heads for s in shapes)  # not the recipe's 48
+    assert all(s.num_kv_heads == (s.num_heads // 4 if s.num_heads % 4 == 0 else s.num_heads) for s in shapes)
+    assert {s.num_kv_heads for s in shapes if s.d_model == 512} == {2}
+
+
 def test_more_compute_buys_a_larger_model_and_a_small_corpus_pushes_the_same_way():
     base = ModelConfig(vocab_size=4096, context_length=256, d_model=256, num_layers=4, num_heads=4)
     small = rank_shapes(base, 1e11, 300, unique_tokens=10**9, batch=16)[0]

@@ -4,7 +4,8 @@
 config (with dotted `--set model.key=value` overrides), the largest batch for `--memory`, and the time to train
 `--tokens` (or `--steps` of batch × context tokens) at `--tflops` × `--mfu` or at `--tokens-per-second`, in
 days and years; a per-matrix table (Q, K, V, O, QKᵀ, AV, W1, W2, W3, LM head: parameters and forward FLOPs with
-their shares); and the training compute both exactly (3 × forward) and by the 6·N·D rule of thumb. `--json`
+their shares); the KV cache a decoding token takes; and the training compute both exactly (3 × forward) and by
+the 6·N·D rule of thumb. `--json`
 prints the same as one JSON object.
 """
 
@@ -87,6 +88,7 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
         ADAMW_FLOPS_PER_PARAM,
         count_params,
         forward_flops,
+        kv_cache_bytes_per_token,
         matrix_table,
         six_n_d_flops,
         training_step_flops,
@@ -107,6 +109,9 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
                                 "total": step.total, "adamw_flops_per_param": ADAMW_FLOPS_PER_PARAM},
         "memory_bytes": {"activation_model": activation_model, **estimate.breakdown(), "static": estimate.static,
                          "activations": estimate.activation_total, "total": estimate.total},
+        "kv_cache_bytes": {"per_token_fp32": kv_cache_bytes_per_token(config, 4),
+                           "per_token_bf16": kv_cache_bytes_per_token(config, 2),
+                           "batch_context_fp32": batch * context * kv_cache_bytes_per_token(config, 4)},
     }
     if memory is not None:
         available = parse_memory(memory)
@@ -159,8 +164,9 @@ def format_report(report: dict[str, Any]) -> str:
     params, flops, shares = report["params"], report["forward_flops"], report["forward_flop_shares"]
     model = report["model"]
     lines = [f"model: d_model={model['d_model']} layers={model['num_layers']} heads={model['num_heads']} "
-             f"d_ff={model['d_ff']} vocab={model['vocab_size']} norm={model['norm']} ffn={model['ffn']} "
-             f"position={model['position']} tied={model['tie_embeddings']}",
+             f"kv_heads={model['num_kv_heads']} head_dim={model['head_dim']} d_ff={model['d_ff']} "
+             f"vocab={model['vocab_size']} norm={model['norm']} ffn={model['ffn']} position={model['position']} "
+             f"tied={model['tie_embeddings']} qkv_bias={model['qkv_bias']} rope_scaling={model['rope_scaling']}",
              f"step: batch {report['batch']} x context {report['context']}, {report['dtype']}", "",
              f"{'parameters':<20}{'count':>14}{'share':>9}"]
     for name in ("embeddings", "attention", "ffn", "norms", "final_norm", "lm_head"):
@@ -182,6 +188,10 @@ def format_report(report: dict[str, Any]) -> str:
     memory = report["memory_bytes"]
     lines.append(f"  {'total':<32}{_human(memory['total'], 'B'):>12}  (static {_human(memory['static'], 'B')}, "
                  f"activations {_human(memory['activations'], 'B')})")
+    kv = report["kv_cache_bytes"]
+    lines += ["", f"KV cache when decoding: {_human(kv['per_token_fp32'], 'B')} per token in fp32 "
+                  f"({_human(kv['per_token_bf16'], 'B')} in bf16), {_human(kv['batch_context_fp32'], 'B')} for "
+                  f"{report['batch']} × {report['context']} tokens"]
     if "max_batch" in report:
         fit = report["max_batch"]
         lines += ["", f"largest batch in {_human(fit['memory_bytes'], 'B')}: {fit['scratchlm']} (what our code "

@@ -8,13 +8,19 @@ matmul weights that autocast caches for the duration of the forward pass (2 B pe
 
 Activations are counted per sequence of T tokens in elements, by two models (see `activation_elements`):
 - ``cs336``: the CS336 assignment-1 accounting exercise: one tensor per listed op, per layer
-  16·T·d + 2·h·T² (scores and softmax probabilities per head), plus T·d (final norm) + T·V (logits) + T (loss).
+  16·T·d + 2·h·T² (scores and softmax probabilities per head), plus T·d (final norm) + T·V (logits) + T (loss)
+  (for multi-head attention with d_h = d/h; see `_cs336_counts` for the query and KV widths in general).
 - ``scratchlm`` (default): what OUR implementation really keeps for backward, read from the code and checked
   exactly with ``torch.autograd.graph.saved_tensors_hooks`` in the tests. It also keeps the SwiGLU gate
   tensors, the float32 norm internals and the loss's shifted logits, plus a few batch-independent tensors
   (`step_constant_bytes`) and the logits gradient that exists before backward frees anything.
 Activation bytes: 4 per element in fp32. Under bf16 autocast we charge 2 B for the matmul-side tensors and 4 B
 for the norm internals and the loss (they run in float32) - an approximation: the tests check fp32 only.
+
+Attention tensors scale with the query width q = H·d_h (d with multi-head attention and d_h = d/H) or the KV
+width k = H_kv·d_h. Grouped-query attention saves no activations in our code: the attention core works on the
+K/V heads repeated over their groups, and those (T·q) copies are what its backward keeps. It saves KV-cache
+memory when decoding (params_flops.kv_cache_bytes_per_token).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from scratchlm.accounting.params_flops import count_params, forward_flops
+from scratchlm.accounting.params_flops import attention_widths, count_params, forward_flops, qkv_bias_params
 from scratchlm.model.config import ModelConfig
 
 DTYPES = ("fp32", "bf16")
@@ -49,7 +55,7 @@ class ActivationElements:
     """Elements saved for backward for ONE sequence of `context` tokens, by component (all layers)."""
 
     norms: int  # per-layer norms: input and normalized copy (T·d each) and 1/rms (T)
-    attention: int  # T·d-sized: QKV input, scaled Q, K, V, output-projection input
+    attention: int  # QKV input (T·d); Q, K, V and the output-projection input (T·q each, ours)
     attention_scores: int  # the h·T² terms: the softmax output, kept once (ours); scores + probs (cs336)
     ffn: int  # FFN input (T·d) and the T·d_ff-sized gate/up/SiLU tensors
     final_norm: int  # ln_final internals and the LM head input
@@ -68,9 +74,10 @@ def activation_elements(config: ModelConfig, context: int, model: str = "scratch
         raise ValueError(f"activation model must be one of {ACTIVATION_MODELS}, got {model!r}")
     c = _cs336_counts(config) if model == "cs336" else _scratchlm_counts(config)
     t, d, f, h, v, layers = context, config.d_model, config.d_ff, config.num_heads, config.vocab_size, config.num_layers
+    q, k = attention_widths(config)
     return ActivationElements(
         norms=layers * (c["norm_td"] * t * d + c["norm_t"] * t),
-        attention=layers * c["attn_td"] * t * d,
+        attention=layers * (c["attn_td"] * t * d + c["attn_tq"] * t * q + c["attn_tk"] * t * k),
         attention_scores=layers * c["attn_htt"] * h * t * t,
         ffn=layers * (c["ffn_td"] * t * d + c["ffn_tf"] * t * f),
         final_norm=c["final_td"] * t * d + c["final_t"] * t,
@@ -79,19 +86,20 @@ def activation_elements(config: ModelConfig, context: int, model: str = "scratch
 
 
 def _cs336_counts(config: ModelConfig) -> dict[str, int]:
-    """One output tensor per op in the CS336 list: 2 RMSNorms, Q/K/V, QKᵀ, softmax, AV, output projection,
-    W1, SiLU, W2; final RMSNorm, output embedding (logits), cross-entropy (per-token losses). With
-    d_ff = 4d this is 16·T·d + 2·h·T² per layer."""
+    """One output tensor per op in the CS336 list: 2 RMSNorms, Q (T·q), K and V (T·k each), QKᵀ, softmax, AV
+    (T·q), output projection (T·d), W1, SiLU, W2; final RMSNorm, output embedding (logits), cross-entropy
+    (per-token losses). With d_ff = 4d and multi-head attention this is 16·T·d + 2·h·T² per layer."""
     norms = 0 if config.norm == "none" else 1
-    return dict(norm_td=2 * norms, norm_t=0, attn_td=5, attn_htt=2, ffn_td=1, ffn_tf=2,
+    return dict(norm_td=2 * norms, norm_t=0, attn_td=1, attn_tq=2, attn_tk=2, attn_htt=2, ffn_td=1, ffn_tf=2,
                 final_td=norms, final_t=0, logits_tv=1, logits_t=1)
 
 
 def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
     """What our code keeps (read from model/layers.py, attention.py, transformer.py and train/loss.py):
     - each RMSNorm/LayerNorm: its float32 input (or centered input), the normalized copy, and 1/rms (T);
-    - attention: the Q/K/V projections' shared input, contiguous copies of Q, Kᵀ and V (the batched-matmul
-      operands) and the output projection's input (heads merged): 5·T·d; the softmax output: h·T², ONE tensor
+    - attention: the Q/K/V projections' shared input (T·d), contiguous copies of Q, Kᵀ and V (the batched-matmul
+      operands; K and V repeated over the query heads) and the output projection's input (heads merged): 4·T·q
+      (5·T·d for multi-head attention); bias adds keep nothing; the softmax output: h·T², ONE tensor
       shared by the in-place softmax's backward and the probs @ V bmm (the mask and 1/√d_k ride along in the
       QKᵀ baddbmm, whose backward keeps Q and K, not the scores);
     - SwiGLU: its input, W1x, sigmoid(W1x), SiLU(W1x), W3x and the product: T·d + 5·T·d_ff
@@ -100,7 +108,7 @@ def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
     - cross_entropy: its softmax (T·V) and the int64 targets (2·T), kept by its hand-written backward.
     """
     norm = config.norm != "none"
-    return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=5, attn_htt=1,
+    return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=1, attn_tq=4, attn_tk=0, attn_htt=1,
                 ffn_td=1, ffn_tf=5 if config.ffn == "swiglu" else 3,
                 final_td=1 + 2 * norm, final_t=norm, logits_tv=1, logits_t=2)
 
@@ -166,7 +174,8 @@ def estimate_memory(config: ModelConfig, context: int, batch: int, dtype: str = 
     if context <= 0 or batch <= 0:
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
     params = count_params(config)
-    matmul_weights = params.attention + params.ffn + (params.lm_head or params.embeddings)
+    biases = config.num_layers * qkv_bias_params(config)  # added outside the matmuls: autocast caches no copy
+    matmul_weights = params.attention - biases + params.ffn + (params.lm_head or params.embeddings)
     per_sequence = _activation_bytes(activation_elements(config, context, activation_model), dtype)
     if activation_model == "scratchlm":  # the logits gradient appears before backward frees anything
         per_sequence["logits_grad"] = 4 * context * config.vocab_size

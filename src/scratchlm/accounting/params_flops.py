@@ -5,18 +5,21 @@ The formulas follow the model exactly (tests compare them with `sum(p.numel())` 
 `torch.utils.flop_counter.FlopCounterMode` on a real forward pass):
 
 Parameters (d = d_model, f = d_ff, V = vocab, L = layers, n = norm parameters per norm: d for RMSNorm,
-2d for LayerNorm (weight + bias), 0 for none):
-    embeddings V·d;  per layer: attention 4d² (Q, K, V, output), FFN 3df (SwiGLU) or 2df (SiLU), 2 norms 2n;
-    final norm n;  LM head V·d (0 when tied to the embeddings).
-    SwiGLU with f = 4d, RMSNorm, untied: P = L(16d² + 2d) + 2Vd + d.
+2d for LayerNorm (weight + bias), 0 for none; q = H·d_h the query width and k = H_kv·d_h the key/value width,
+for H heads, H_kv KV heads and head size d_h; q = k = d for multi-head attention with d_h = d/H):
+    embeddings V·d;  per layer: attention 2dq + 2dk (Q and output d×q, K and V d×k; = 4d² for multi-head
+    attention) plus q + 2k with q/k/v biases, FFN 3df (SwiGLU) or 2df (SiLU), 2 norms 2n (+ 2d_h with
+    QK-norm); final norm n;  LM head V·d (0 when tied to the embeddings). RoPE scaling has no parameters.
+    SwiGLU with f = 4d, RMSNorm, multi-head, untied: P = L(16d² + 2d) + 2Vd + d.
 
 Forward matmul FLOPs for B sequences of T tokens (a matmul (m×k)·(k×n) costs 2mkn):
-    attention projections 8BTd² per layer; attention scores QKᵀ 2BT²d; weighted values AV 2BT²d;
-    FFN 6BTdf (SwiGLU) or 4BTdf (SiLU); LM head 2BTdV.
-The causal mask does not halve the core: our attention computes the full T×T scores, as most kernels without
-block skipping do. Elementwise work (norms, softmax, RoPE, SiLU) is O(BTd + BhT²), below 1% and left out,
-as FlopCounterMode does. Training ≈ 3 × forward (backward computes two matmuls per forward matmul: the
-gradients with respect to the input and to the weight).
+    attention projections 2BTd·(2q + 2k) per layer (8BTd² multi-head); attention scores QKᵀ 2BT²q; weighted
+    values AV 2BT²q; FFN 6BTdf (SwiGLU) or 4BTdf (SiLU); LM head 2BTdV.
+Grouped-query attention saves K/V projection work, not core work: each of the H query heads still scores
+against its (shared) KV head. The causal mask does not halve the core: our attention computes the full T×T
+scores, as most kernels without block skipping do. Elementwise work (norms, softmax, RoPE, SiLU, bias adds) is
+O(BTd + BhT²), below 1% and left out, as FlopCounterMode does. Training ≈ 3 × forward (backward computes two
+matmuls per forward matmul: the gradients with respect to the input and to the weight).
 """
 
 from __future__ import annotations
@@ -35,6 +38,23 @@ def norm_params(config: ModelConfig) -> int:
     return {"rmsnorm": config.d_model, "layernorm": 2 * config.d_model, "none": 0}[config.norm]
 
 
+def attention_widths(config: ModelConfig) -> tuple[int, int]:
+    """(q, k): the output width of the query projection, H·d_h, and of each key/value projection, H_kv·d_h."""
+    return config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+
+
+def qkv_bias_params(config: ModelConfig) -> int:
+    """Bias parameters of one layer's q, k and v projections: q + 2k with qkv_bias, else 0."""
+    q, k = attention_widths(config)
+    return q + 2 * k if config.qkv_bias else 0
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
+    """Bytes one token's keys and values take in the KV cache: 2 (K and V) · L · H_kv · d_h elements (fp32: 4 B
+    each, bf16: 2 B); grouped-query attention divides it by H / H_kv."""
+    return 2 * config.num_layers * attention_widths(config)[1] * bytes_per_element
+
+
 def ffn_matrices(config: ModelConfig) -> int:
     """Weight matrices of size d_model × d_ff in one FFN: SwiGLU has w1, w2, w3; the SiLU FFN w1, w2."""
     return 3 if config.ffn == "swiglu" else 2
@@ -45,7 +65,7 @@ class ParamCounts:
     """Trainable parameters by component (whole model, all layers)."""
 
     embeddings: int
-    attention: int
+    attention: int  # Q, K, V and output projections (and the q/k/v biases with qkv_bias)
     ffn: int
     norms: int  # the two norms of every block (and its q/k norms with QK-norm)
     final_norm: int
@@ -61,9 +81,10 @@ class ParamCounts:
 
 def count_params(config: ModelConfig) -> ParamCounts:
     d, layers = config.d_model, config.num_layers
+    q, k = attention_widths(config)
     return ParamCounts(
         embeddings=config.vocab_size * d,
-        attention=layers * 4 * d * d,
+        attention=layers * (2 * d * q + 2 * d * k + qkv_bias_params(config)),
         ffn=layers * ffn_matrices(config) * d * config.d_ff,
         norms=layers * (2 * norm_params(config) + (2 * config.head_dim if config.qk_norm else 0)),
         final_norm=norm_params(config),
@@ -98,10 +119,11 @@ def forward_flops(config: ModelConfig, context: int, batch: int = 1) -> ForwardF
     if context <= 0 or batch <= 0:
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
     d, layers, tokens = config.d_model, config.num_layers, batch * context
+    q, k = attention_widths(config)
     return ForwardFlops(
-        attention_proj=layers * 2 * tokens * d * 4 * d,
-        attention_scores=layers * 2 * tokens * context * d,  # per head 2·T·T·d_head, times h heads
-        attention_values=layers * 2 * tokens * context * d,
+        attention_proj=layers * 2 * tokens * d * (2 * q + 2 * k),
+        attention_scores=layers * 2 * tokens * context * q,  # per head 2·T·T·d_h, times H query heads
+        attention_values=layers * 2 * tokens * context * q,
         ffn=layers * 2 * tokens * d * config.d_ff * ffn_matrices(config),
         lm_head=2 * tokens * d * config.vocab_size,
     )
@@ -155,15 +177,19 @@ def matrix_table(config: ModelConfig, context: int, batch: int = 1) -> list[Matr
     and `forward_flops(...).total`: the handout's per-matrix accounting, by one shared set of formulas."""
     params, flops = count_params(config), forward_flops(config, context, batch)
     d, f, layers, v = config.d_model, config.d_ff, config.num_layers, config.vocab_size
-    proj_flops = flops.attention_proj // 4  # Q, K, V and O are each d×d
+    q, k = attention_widths(config)
+    tokens = batch * context
     ffn_names = ("W1", "W2", "W3") if config.ffn == "swiglu" else ("W1", "W2")
     ffn_shapes = {"W1": f"d_ff×d = {f}×{d}", "W2": f"d×d_ff = {d}×{f}", "W3": f"d_ff×d = {f}×{d}"}
-    dk = config.head_dim
+    dk, h = config.head_dim, config.num_heads
+    bias = " + bias" if config.qkv_bias else ""
     rows = [MatrixCost("embeddings", f"V×d = {v}×{d}", False, params.embeddings, 0)]
-    rows += [MatrixCost(name, f"d×d = {d}×{d}", True, layers * d * d, proj_flops) for name in "QKV"]
-    rows += [MatrixCost("QKᵀ", f"h × (T×{dk})·({dk}×T)", True, 0, flops.attention_scores),
-             MatrixCost("AV", f"h × (T×T)·(T×{dk})", True, 0, flops.attention_values),
-             MatrixCost("O", f"d×d = {d}×{d}", True, layers * d * d, proj_flops)]
+    rows += [MatrixCost(name, f"{width_name}×d = {width}×{d}{bias}", True,
+                        layers * (width * d + (width if config.qkv_bias else 0)), layers * 2 * tokens * d * width)
+             for name, width_name, width in (("Q", "H·d_h", q), ("K", "H_kv·d_h", k), ("V", "H_kv·d_h", k))]
+    rows += [MatrixCost("QKᵀ", f"{h} × (T×{dk})·({dk}×T)", True, 0, flops.attention_scores),
+             MatrixCost("AV", f"{h} × (T×T)·(T×{dk})", True, 0, flops.attention_values),
+             MatrixCost("O", f"d×H·d_h = {d}×{q}", True, layers * d * q, layers * 2 * tokens * d * q)]
     rows += [MatrixCost(name, ffn_shapes[name], True, layers * d * f, flops.ffn // len(ffn_names))
              for name in ffn_names]
     rows += [MatrixCost("norms", f"{norm_params(config)} per norm, 2L + 1 norms", True,

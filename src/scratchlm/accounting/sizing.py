@@ -60,9 +60,11 @@ def predicted_loss(params: float, tokens: float) -> float:
 
 
 def candidate_shapes(base: ModelConfig) -> list[ModelConfig]:
-    """The ladder: every width and depth with d_model // 64 heads (at least one), the rest of `base` kept
-    (d_ff re-derived from the FFN kind unless the recipe fixes its ratio to d_model)."""
+    """The ladder: every width and depth with d_model // 64 heads (at least one) of d_model / heads each, the rest
+    of `base` kept (d_ff re-derived from the FFN kind unless the recipe fixes its ratio to d_model; grouped-query
+    attention keeps its query heads per KV head where they divide the new head count, else multi-head)."""
     shapes = []
+    group = base.num_heads // base.num_kv_heads
     for width in WIDTHS:
         for depth in DEPTHS:
             heads = max(1, width // HEAD_DIM)
@@ -70,7 +72,9 @@ def candidate_shapes(base: ModelConfig) -> list[ModelConfig]:
                 continue
             ratio = base.d_ff / base.d_model
             d_ff = int(round(ratio * width / 64) * 64) or None
-            shapes.append(dataclasses.replace(base, d_model=width, num_layers=depth, num_heads=heads, d_ff=d_ff))
+            kv_heads = heads // group if heads % group == 0 else heads
+            shapes.append(dataclasses.replace(base, d_model=width, num_layers=depth, num_heads=heads, d_ff=d_ff,
+                                              num_kv_heads=kv_heads, head_dim=None))
     return shapes
 
 

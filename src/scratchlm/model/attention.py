@@ -189,8 +189,9 @@ class MultiHeadSelfAttention(nn.Module):
         if self.max_seq_len is not None and past + x.shape[-2] > self.max_seq_len:
             raise ValueError(f"sequence length {past + x.shape[-2]} exceeds max_seq_len {self.max_seq_len}")
         q = self._heads(self.q_proj(x), self.num_heads)  # (B, H, T, d_k)
-        k, v = self._heads(self.k_proj(x), self.num_kv_heads), self._heads(self.v_proj(x), self.num_kv_heads)
-        if self.q_norm is not None:  # k, v: (B, H_kv, T, d_k)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)  # (B, H_kv, T, d_k)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)  # (B, H_kv, T, d_k)
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             positions = token_positions

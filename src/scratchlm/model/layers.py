@@ -52,7 +52,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        # In y's dtype: under bf16 autocast y is bf16 and a float32 bias would promote the sum to float32
+        # (autocast casts nn.Linear's bias with its weight the same way).
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -164,7 +164,8 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{c.non_embedding_params / 1e6:.2f}M | {c.tokens / 1e6:.1f}M | {c.epochs:.1f} | "
               f"{int(c.tokens / tokens_per_step):,} | {c.predicted_loss:.3f} |")
     best = ranked[0].model
-    diff = " ".join(f"--set model.{key}={getattr(best, key)}" for key in ("d_model", "num_layers", "num_heads", "d_ff")
+    shape_keys = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff")
+    diff = " ".join(f"--set model.{key}={getattr(best, key)}" for key in shape_keys
                     if getattr(best, key) != getattr(model, key))
     print(f"\nbest: scratchlm train --config {args.config} --budget {args.budget} {diff or '(the recipe as it is)'}")
     return 0
