@@ -183,8 +183,7 @@ class ScratchLMBlock(nn.Module):
 class ScratchLMPreTrainedModel(PreTrainedModel):
     config_class = ScratchLMConfig
     base_model_prefix = "scratchlm"  # no submodule of that name: the weights' names are used as they are
-    _no_split_modules = ["ScratchLMBlock"]
-    _supports_cache_class = True  # transformers 4.x: generate() may hand this model a DynamicCache
+    _no_split_modules = ["ScratchLMBlock"]  # device_map="auto" keeps a block on one device
 
 
 class ScratchLMForCausalLM(ScratchLMPreTrainedModel, GenerationMixin):
