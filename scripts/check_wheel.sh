@@ -4,7 +4,8 @@
 # Also checks that a missing extra is one line naming it (export hf without [hf]) and that training without
 # matplotlib warns once and writes no curves.png. Then, with the [hf,tracking] extras: a folder of JSONL files ->
 # tokenizer -> train/validation token files -> a run with TensorBoard, moved to another folder (its tokenizer
-# deleted), generating and exporting from there, the export loaded by AutoModelForCausalLM / AutoTokenizer.
+# deleted), generating and exporting from there, the export loaded by AutoModelForCausalLM / AutoTokenizer; and a
+# custom-code export (compat/hf_custom_code.py) loaded with trust_remote_code, its logits equal ours.
 #
 # torch is installed first exactly as scripts/setup_venv.sh does it (SCRATCHLM_TORCH, SCRATCHLM_TORCH_INDEX_URL),
 # so on this project's machines it is the local CPU wheel. Everything happens in a temporary folder (removed at
@@ -115,5 +116,26 @@ events = EventAccumulator("elsewhere/run2/tensorboard")
 events.Reload()
 assert any("loss" in tag for tag in events.Tags()["scalars"]), events.Tags()
 print("check_wheel: transformers loads the export (ids equal ours); TensorBoard holds", events.Tags()["scalars"])
+PY
+stage "the wheel's custom-code export (its modeling files are package data) loads in transformers"
+"$VENV_PY" - <<'PY' || fail "transformers could not load the custom-code export, or its logits differ"
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from scratchlm.compat.hf_custom_code import export_custom_code
+from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.tokenizer import Tokenizer
+
+tokenizer = Tokenizer.load("elsewhere/run2/tokenizer")
+cfg = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, ffn="relu2", qk_norm=True, logit_softcap=15.0)
+model = TransformerLM(cfg).eval()
+export_custom_code(model, tokenizer, Path("hf_custom"))
+loaded = AutoModelForCausalLM.from_pretrained("hf_custom", trust_remote_code=True).eval()
+ids = torch.tensor([tokenizer.encode("Story 1.2: the small fox")])
+with torch.no_grad():
+    torch.testing.assert_close(loaded(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+print("check_wheel: transformers loads the custom-code export (ReLU², QK-norm, soft cap) with equal logits")
 PY
 stage "OK"

@@ -3,7 +3,8 @@
 # - the LOWEST supported transformers (the floor of the [hf] extra in pyproject.toml) runs the HF parity and
 #   export/import tests in a fresh venv of its own;
 # - transformers 4.x (which spells RoPE rope_theta, not rope_parameters) loads an export made with the pinned one
-#   and gives the same rope_theta and logits (tests/test_export_hf_transformers4.py).
+#   and gives the same rope_theta and logits (tests/test_export_hf_transformers4.py); it also loads the custom-code
+#   folders of every architecture switch with equal logits and greedy generation (tests/test_export_custom_code.py).
 # Each venv gets torch exactly as scripts/setup_venv.sh installs it. Run after scripts/setup_venv.sh (CI does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +29,10 @@ echo "test_transformers_versions: transformers==$FLOOR (the floor) runs the HF t
 make_venv "$WORK/floor" -e ".[test]" "transformers==$FLOOR"
 "$WORK/floor/bin/python" -c 'import transformers; print("  transformers", transformers.__version__)'
 "$WORK/floor/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf_parity.py tests/test_export_hf.py \
-    tests/test_import_hf.py
+    tests/test_import_hf.py tests/test_export_custom_code.py
 
 echo "test_transformers_versions: $TRANSFORMERS4 loads an export"
 make_venv "$WORK/v4" "$TRANSFORMERS4"
 SCRATCHLM_TRANSFORMERS4_PYTHON="$WORK/v4/bin/python" .venv/bin/python -m pytest -q -p no:cacheprovider \
-    tests/test_export_hf_transformers4.py
+    tests/test_export_hf_transformers4.py \
+    tests/test_export_custom_code.py::test_transformers_4_loads_the_folders_with_equal_logits_and_generation
