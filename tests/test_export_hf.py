@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.testing import assert_close
 
 from scratchlm.cli import main
 from scratchlm.compat.commands import write_run
@@ -176,24 +175,21 @@ def test_import_reads_sharded_safetensors(tmp_path, trained_tokenizer):
     (dict(qk_norm=True, qkv_bias=True), "qk_norm=True with qkv_bias=True"),
 ])
 def test_export_hands_what_no_standard_architecture_expresses_to_custom_code(tmp_path, trained_tokenizer, capsys,
-                                                                             monkeypatch, switches, why):
-    """The dispatch and its reason; compat/hf_custom_code.py's own tests check the folder it writes."""
-    calls = []
-
-    def export_custom_code(model, tokenizer, out):
-        calls.append((model.config, tokenizer.hash))
-        out.mkdir()
-        (out / "config.json").write_text("{}")
-
-    monkeypatch.setitem(sys.modules, "scratchlm.compat.hf_custom_code",
-                        types.SimpleNamespace(export_custom_code=export_custom_code))
+                                                                             switches, why):
+    """Through the CLI: the reason is printed and the custom-code folder (compat/hf_custom_code.py, whose own tests
+    cover every switch) loads with trust_remote_code and our logits."""
     model, run = _run_dir(tmp_path, trained_tokenizer, **switches)
     capsys.readouterr()
     _export(run, tmp_path / "hf")
-    assert calls == [(model.config, trained_tokenizer.hash)]
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("architecture custom code (trust_remote_code=True): no standard architecture: ")
     assert why in first
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "scratchlm"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True,
+                                                           local_files_only=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert_close(hf(ids).logits, model.eval()(ids), rtol=1e-5, atol=1e-5)
 
 
 def test_export_of_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
