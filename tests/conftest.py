@@ -34,6 +34,25 @@ def tinystories_sample() -> Path:
     return require_shared("fixtures/tinystories_sample.txt")
 
 
+@pytest.fixture
+def hf_offline_one_thread(monkeypatch):
+    """No Hub access (every Hugging Face model and tokenizer here is built locally) and one intra-op thread, for
+    comparisons with transformers that must not depend on how a matmul is split across threads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_offline_module():
+    """No Hub access for a whole module (its module-scoped fixtures build Hugging Face tokenizers)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

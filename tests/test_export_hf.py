@@ -31,14 +31,7 @@ TEXTS = [
 CORPUS = ("Once upon a time there was a little girl named Lily. She liked to play with her cat Tom. "
           "One day, Tom ran away and Lily was sad. Ben said: \"Don't worry, we'll find him!\" ") * 30
 
-
-@pytest.fixture(autouse=True)
-def _offline_and_one_thread(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("hf_offline_one_thread")
 
 
 @pytest.fixture(scope="module")

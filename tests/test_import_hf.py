@@ -31,14 +31,7 @@ transformers = pytest.importorskip("transformers")
 CLOSE = dict(rtol=1e-5, atol=1e-5)
 TOKENIZER = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])  # 257 ids < COMMON's 300
 
-
-@pytest.fixture(autouse=True)
-def _offline_and_one_thread(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("hf_offline_one_thread")
 
 
 def _saved(folder, name: str, dtype: torch.dtype = torch.float32, **save_options):

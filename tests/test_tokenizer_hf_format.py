@@ -50,12 +50,7 @@ PIECES = [" ", "  ", "\n", "\r\n", "\t", "a", "the", " cat", "'s", "'", "ll", "7
 piece_text = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
 any_text = st.one_of(piece_text, st.text(max_size=200))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("hf_offline_module")
 
 
 @pytest.fixture(scope="module")

@@ -76,12 +76,7 @@ piece_text = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
 # Unicode versions and HF's Oniguruma older ones, and the two classify such letters differently.
 any_text = st.one_of(piece_text, st.text(st.characters(blacklist_categories=("Cs", "Cn")), max_size=150))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("hf_offline_module")
 
 
 @pytest.fixture(scope="module")
