@@ -32,6 +32,7 @@ from scratchlm.serve.protocol import APIError, CompletionRequest, Logprobs, erro
 
 EOS_TOKEN = "<|endoftext|>"
 RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.05
 
 
 def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str | None = None) -> FastAPI:
@@ -106,7 +107,8 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
             raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
         deadline = loop.time() + limits.request_timeout
         if parsed.stream:
-            return StreamingResponse(_stream(run, deadline, tokenizer, model_name), media_type="text/event-stream",
+            return StreamingResponse(_stream(run, deadline, request, tokenizer, model_name),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _collect(run, deadline, request, tokenizer, model_name)
 
@@ -207,7 +209,14 @@ def _token_text(tokenizer, token_id: int) -> str:
 
 
 def _top(tokenizer, top: dict[int, float] | None) -> dict[str, float] | None:
-    return None if top is None else {_token_text(tokenizer, i): logprob for i, logprob in top.items()}
+    """Alternatives keyed by their text, most likely first; ids with the same text (bytes that are no character
+    alone all read U+FFFD) keep the likeliest one's log-probability."""
+    if top is None:
+        return None
+    texts: dict[str, float] = {}
+    for token_id, logprob in top.items():
+        texts.setdefault(_token_text(tokenizer, token_id), logprob)
+    return texts
 
 
 def _echo(choice: _Choice, tokenizer) -> str:
@@ -266,9 +275,12 @@ async def _collect(run: _Completion, deadline: float, request: Request, tokenize
     return JSONResponse(protocol.completion_object(run.id, model_name, choices, run.usage(), run.created))
 
 
-async def _stream(run: _Completion, deadline: float, tokenizer, model_name: str):
+async def _stream(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str):
     """Server-sent events: a chunk per piece of text (and per echo), a final chunk per choice with its
-    finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead."""
+    finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead.
+
+    A client that leaves is noticed when a write fails, but tokens that complete no character (or may start a
+    stop string) write nothing, so the connection is also polled every DISCONNECT_POLL_SECONDS."""
     def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: Logprobs | None = None) -> str:
         body = protocol.completion_object(run.id, model_name, [protocol.choice(
             index, text, finish_reason, logprobs.object() if logprobs else None)], None, run.created)
@@ -281,12 +293,21 @@ async def _stream(run: _Completion, deadline: float, tokenizer, model_name: str)
                 offsets[index] = len(_echo(choice, tokenizer))
                 yield chunk(index, choice.echo_text)
         pending = len(run.choices)
+        loop = asyncio.get_running_loop()
+        polled = loop.time()
         while pending:
             try:
-                index, event = await run.next_event(deadline)
+                item = await run.next_event(deadline, poll=DISCONNECT_POLL_SECONDS)
             except TimeoutError:
                 yield _event(_timeout().body())
                 return
+            if loop.time() - polled >= DISCONNECT_POLL_SECONDS:
+                polled = loop.time()
+                if await request.is_disconnected():
+                    return
+            if item is None:
+                continue
+            index, event = item
             choice = run.choices[index]
             logprobs = Logprobs(offsets[index]) if run.request.logprobs is not None else None
             try:

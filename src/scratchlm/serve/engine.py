@@ -125,6 +125,7 @@ class Engine:
         self._cache: KVCache | None = None
         self._stopping = False
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
+        self.sampled = 0  # tokens sampled, over all sequences
         self._thread = threading.Thread(target=self._run, name="scratchlm-serve-engine", daemon=True)
 
     # ------------------------------------------------------------------ the caller's side (any thread)
@@ -140,6 +141,8 @@ class Engine:
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("the engine is stopping")
+            if any(waiting.cancelled for waiting in self._waiting):  # their clients left: they hold no place
+                self._waiting = collections.deque(waiting for waiting in self._waiting if not waiting.cancelled)
             if len(self._waiting) + len(sequences) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} sequences are waiting (queue limit {self.max_queue})")
             self._waiting.extend(sequences)
@@ -173,8 +176,9 @@ class Engine:
             self._thread.join(timeout)
 
     def stats(self) -> dict[str, int]:
-        return {"active": len(self._rows), "waiting": len(self._waiting), "max_batch": self.max_batch,
-                "max_queue": self.max_queue}
+        waiting = sum(not sequence.cancelled for sequence in self._waiting)
+        return {"active": len(self._rows), "waiting": waiting, "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "steps": self.steps, "tokens_sampled": self.sampled}
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -245,6 +249,7 @@ class Engine:
                               top_p=row.sampling.top_p, generator=row.generator, vocab_limit=self.vocab_limit)
                   for i, row in enumerate(rows)]
         tokens = torch.cat(chosen).tolist()
+        self.sampled += len(tokens)
         wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
         scores = self._log_probs(logits[wanted]) if wanted else None
         for i, (row, token) in enumerate(zip(rows, tokens)):
