@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's copy)")
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-batch", type=int, default=defaults.max_batch,
                         help=f"sequences decoded together (default: {defaults.max_batch})")
@@ -96,6 +98,10 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, max_choices=args.max_choices, request_timeout=args.request_timeout)
     except ValueError as error:
         raise UserError(str(error).replace("limit ", "--").replace("_", "-")) from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
     model.to(getattr(torch, DTYPES[args.dtype]))
     tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
