@@ -12,11 +12,11 @@ import threading
 import time
 from contextlib import contextmanager
 
-import httpx
 import pytest
 import torch
 
 pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is not installed")
+httpx = pytest.importorskip("httpx", reason="the test extra's httpx is not installed")
 uvicorn = pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvicorn) is not installed")
 
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402

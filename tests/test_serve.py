@@ -9,13 +9,12 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
 from scratchlm.generate.sampling import generate
 from scratchlm.serve.engine import Sampling, Sequence
-from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, serving, tiny_model, wait_until_idle
+from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, httpx, serving, tiny_model, wait_until_idle
 
 openai = pytest.importorskip("openai", reason="the test extra's openai client is not installed")
 

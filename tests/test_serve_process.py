@@ -12,14 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from scratchlm.cli import main
 from scratchlm.compat.commands import write_run
 from scratchlm.model import ModelConfig, TransformerLM
-from serve_helpers import byte_tokenizer, free_port
+from serve_helpers import byte_tokenizer, free_port, httpx
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 KEY = "k3y-that-must-not-leak"
