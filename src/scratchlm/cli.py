@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "scratchlm.data.commands",
     "scratchlm.train.commands",
     "scratchlm.generate.commands",
+    "scratchlm.serve.commands",
     "scratchlm.experiments.commands",
     "scratchlm.accounting.commands",
     "scratchlm.compat.commands",

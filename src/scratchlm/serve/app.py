@@ -1,0 +1,338 @@
+"""The FastAPI application: the OpenAI completions routes over an `Engine`, the API key and the playground page.
+
+Routes: POST /v1/completions (JSON, or server-sent events with `stream`), GET /v1/models, GET /health (no key:
+for load balancers and scripts), GET / (the playground, static/playground.html). Every error is OpenAI's error
+object (protocol.py). With an API key, /v1/* need `Authorization: Bearer KEY`, compared in constant time
+(hmac.compare_digest); the key is never logged or echoed.
+
+A request becomes one engine `Sequence` per choice (prompt x n; choice j of a prompt samples with seed + j, as
+`scratchlm generate --num-samples` does). The engine thread hands events to the request's asyncio queue with
+`call_soon_threadsafe`. A request that ends for any reason (done, client gone, timeout, error) cancels its
+sequences, so a client that disconnects mid-stream frees its batch slots at the next decoding step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scratchlm.serve import protocol
+from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
+from scratchlm.serve.limits import Limits
+from scratchlm.serve.protocol import APIError, CompletionRequest, Logprobs, error_body
+
+EOS_TOKEN = "<|endoftext|>"
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.05
+
+
+def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="scratchlm", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = engine.tokenizer
+    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    created = int(time.time())
+    playground = resources.files("scratchlm.serve").joinpath("static/playground.html").read_text(encoding="utf-8")
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise APIError(401, "missing API key: send the header Authorization: Bearer KEY",
+                           code="missing_api_key")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(error.status_code,
+                                                                                           str(error.detail))
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(playground)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = "stopping" if engine.stopping else "ok"
+        return JSONResponse({"status": status, "model": model_name, **engine.stats()},
+                            status_code=503 if engine.stopping else 200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_key(request)
+        return JSONResponse(protocol.models_object(model_name, created, engine.model.config.context_length))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        if engine.stopping:
+            raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        body = await _read_body(request, limits)
+        parsed = protocol.parse_completion(body, model_name=model_name, limits=limits)
+        run = _Completion(parsed, [_prompt_ids(prompt, tokenizer, eos_id) for prompt in parsed.prompts])
+        for ids in run.prompt_ids:
+            try:
+                engine.check(ids, parsed.max_tokens)
+            except ValueError as error:
+                code = "context_length_exceeded" if "context" in str(error) else "invalid_value"
+                raise APIError(400, str(error), param="prompt", code=code) from None
+        loop = asyncio.get_running_loop()
+        try:
+            engine.submit(run.sequences(loop))
+        except QueueFull as error:
+            raise APIError(429, f"the server is busy ({error}): retry later", kind="server_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except RuntimeError:
+            raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+        deadline = loop.time() + limits.request_timeout
+        if parsed.stream:
+            return StreamingResponse(_stream(run, deadline, request, tokenizer, model_name),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(run, deadline, request, tokenizer, model_name)
+
+    return app
+
+
+@dataclass
+class _Choice:
+    """What one sequence has produced so far."""
+    prompt_ids: list[int]
+    echo_text: str | None  # the prompt as text (decoded from its ids when needed)
+    text: list[str] = field(default_factory=list)
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class _Completion:
+    """One request: its choices, the sequences computing them and the queue their events arrive on."""
+
+    def __init__(self, request: CompletionRequest, prompt_ids: list[list[int]]) -> None:
+        self.request, self.prompt_ids = request, prompt_ids
+        self.id = protocol.completion_id()
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[_Choice] = []
+        self._sequences: list[Sequence] = []
+
+    def sequences(self, loop: asyncio.AbstractEventLoop) -> list[Sequence]:
+        request = self.request
+        for prompt, ids in zip(request.prompts, self.prompt_ids):
+            for sample in range(request.n):
+                index = len(self._sequences)
+                sampling = Sampling(max_tokens=request.max_tokens, temperature=request.temperature,
+                                    top_p=request.top_p, top_k=request.top_k,
+                                    seed=None if request.seed is None else request.seed + sample,
+                                    stop=request.stop, logprobs=request.logprobs,
+                                    prompt_logprobs=request.echo and request.logprobs is not None)
+                self._sequences.append(Sequence(ids, sampling, self._emitter(loop, index)))
+                self.choices.append(_Choice(ids, prompt if isinstance(prompt, str) else None))
+        return self._sequences
+
+    def _emitter(self, loop: asyncio.AbstractEventLoop, index: int):
+        def emit(event: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed (server stopped): nobody listens
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        return emit
+
+    def cancel(self) -> None:
+        for sequence in self._sequences:
+            sequence.cancel()
+
+    async def next_event(self, deadline: float, poll: float | None = None) -> tuple[int, object] | None:
+        """The next (choice index, event); None after `poll` seconds without one. Raises TimeoutError at the
+        request's deadline."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            return await asyncio.wait_for(self.queue.get(), remaining if poll is None else min(poll, remaining))
+        except TimeoutError:
+            if poll is None or remaining <= poll:
+                raise
+            return None
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
+        return protocol.usage(prompt_tokens, sum(c.completion_tokens for c in self.choices))
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer, eos_id: int | None) -> list[int]:
+    if not isinstance(prompt, str):
+        return prompt
+    if prompt:
+        return tokenizer.encode(prompt)
+    if eos_id is None:
+        raise APIError(400, "the prompt is empty and the tokenizer has no <|endoftext|> to start a document with",
+                       param="prompt", code="invalid_value")
+    return [eos_id]
+
+
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refused (413) as soon as it is known to be over the limit: from Content-Length, or while reading."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise protocol.body_too_large(limits)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise protocol.body_too_large(limits)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
+
+def _top(tokenizer, top: dict[int, float] | None) -> dict[str, float] | None:
+    """Alternatives keyed by their text, most likely first; ids with the same text (bytes that are no character
+    alone all read U+FFFD) keep the likeliest one's log-probability."""
+    if top is None:
+        return None
+    texts: dict[str, float] = {}
+    for token_id, logprob in top.items():
+        texts.setdefault(_token_text(tokenizer, token_id), logprob)
+    return texts
+
+
+def _echo(choice: _Choice, tokenizer) -> str:
+    if choice.echo_text is None:
+        choice.echo_text = tokenizer.decode(choice.prompt_ids)
+    return choice.echo_text
+
+
+def _apply(choice: _Choice, event: object, tokenizer, logprobs: Logprobs | None) -> str:
+    """Record an event in its choice; returns the new text. A Failed event raises APIError."""
+    if isinstance(event, Token):
+        if logprobs is not None:
+            logprobs.add(_token_text(tokenizer, event.id), event.logprob, _top(tokenizer, event.top))
+        choice.text.append(event.text)
+        return event.text
+    if isinstance(event, PromptLogprobs):
+        if logprobs is not None:
+            for token_id, logprob, top in zip(choice.prompt_ids, event.logprobs, event.top):
+                logprobs.add(_token_text(tokenizer, token_id), logprob, _top(tokenizer, top))
+        return ""
+    if isinstance(event, Finished):
+        choice.finish_reason, choice.completion_tokens = event.reason, event.completion_tokens
+        choice.text.append(event.text)
+        return event.text
+    assert isinstance(event, Failed)
+    status = 503 if event.kind == "shutdown" else 500
+    raise APIError(status, event.message, kind="server_error", code=event.kind)
+
+
+async def _collect(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str) -> Response:
+    echo = run.request.echo
+    for choice in run.choices:
+        if run.request.logprobs is not None:
+            choice.logprobs = Logprobs()
+        if echo:
+            choice.text.append(_echo(choice, tokenizer))
+    pending = len(run.choices)
+    try:
+        while pending:
+            try:
+                item = await run.next_event(deadline, poll=1.0)
+            except TimeoutError:
+                raise _timeout() from None
+            if item is None:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it; the sequences are cancelled below
+                continue
+            index, event = item
+            choice = run.choices[index]
+            _apply(choice, event, tokenizer, choice.logprobs)
+            pending -= isinstance(event, Finished)
+    finally:
+        run.cancel()
+    choices = [protocol.choice(i, "".join(c.text), c.finish_reason, c.logprobs.object() if c.logprobs else None)
+               for i, c in enumerate(run.choices)]
+    return JSONResponse(protocol.completion_object(run.id, model_name, choices, run.usage(), run.created))
+
+
+async def _stream(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str):
+    """Server-sent events: a chunk per piece of text (and per echo), a final chunk per choice with its
+    finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead.
+
+    A client that leaves is noticed when a write fails, but tokens that complete no character (or may start a
+    stop string) write nothing, so the connection is also polled every DISCONNECT_POLL_SECONDS."""
+    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: Logprobs | None = None) -> str:
+        body = protocol.completion_object(run.id, model_name, [protocol.choice(
+            index, text, finish_reason, logprobs.object() if logprobs else None)], None, run.created)
+        return _event(body)
+
+    offsets = [0] * len(run.choices)
+    try:
+        if run.request.echo:
+            for index, choice in enumerate(run.choices):
+                offsets[index] = len(_echo(choice, tokenizer))
+                yield chunk(index, choice.echo_text)
+        pending = len(run.choices)
+        loop = asyncio.get_running_loop()
+        polled = loop.time()
+        while pending:
+            try:
+                item = await run.next_event(deadline, poll=DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                yield _event(_timeout().body())
+                return
+            if loop.time() - polled >= DISCONNECT_POLL_SECONDS:
+                polled = loop.time()
+                if await request.is_disconnected():
+                    return
+            if item is None:
+                continue
+            index, event = item
+            choice = run.choices[index]
+            logprobs = Logprobs(offsets[index]) if run.request.logprobs is not None else None
+            try:
+                text = _apply(choice, event, tokenizer, logprobs)
+            except APIError as error:
+                yield _event(error.body())
+                return
+            if logprobs is not None:
+                offsets[index] = logprobs.offset
+            if isinstance(event, Finished):
+                pending -= 1
+                yield chunk(index, text, event.reason)
+            elif text or logprobs is not None:
+                yield chunk(index, text, None, logprobs)
+        if run.request.include_usage:
+            yield _event(protocol.completion_object(run.id, model_name, [], run.usage(), run.created))
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (the response is cancelled)
+        run.cancel()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _timeout() -> APIError:
+    return APIError(504, "the request timed out (scratchlm serve --request-timeout)", kind="server_error",
+                    code="timeout")

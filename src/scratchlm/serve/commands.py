@@ -1,0 +1,129 @@
+"""`scratchlm serve RUN_OR_FOLDER`: an OpenAI-compatible completions server with a playground page.
+
+The model comes from a run directory (its newest valid checkpoint), a checkpoint directory, or a run written by
+`scratchlm import hf`; the tokenizer is the run's (as for `scratchlm generate`). It binds 127.0.0.1:8000 unless
+told otherwise; any other address needs an API key (--api-key or SCRATCHLM_API_KEY), which clients send as
+`Authorization: Bearer KEY`. fastapi and uvicorn come with the [serve] extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from scratchlm.generate.commands import DTYPES, EOS_TOKEN
+from scratchlm.serve.limits import Limits
+
+API_KEY_ENV = "SCRATCHLM_API_KEY"
+LOOPBACK_NAMES = {"localhost"}
+
+EPILOG = f"""examples:
+  scratchlm serve runs/demo                          # http://127.0.0.1:8000 (playground at /)
+  scratchlm serve runs/demo --port 9000 --max-batch 32
+  {API_KEY_ENV}=secret scratchlm serve runs/demo --host 0.0.0.0   # other machines: a key is required
+
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.8}}'"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = Limits()
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI completions API, with a playground page", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a model over HTTP: POST /v1/completions (OpenAI's protocol, streaming included), GET "
+                    "/v1/models, GET /health, and a playground page at /. Concurrent requests are decoded "
+                    "together (continuous batching). Needs the [serve] extra.")
+    parser.add_argument("checkpoint", type=Path, metavar="RUN_OR_FOLDER",
+                        help="run directory (newest valid checkpoint), checkpoint directory or imported model run")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine "
+                                                            "only; any other needs an API key)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require Authorization: Bearer KEY on /v1/* (default: ${API_KEY_ENV}; prefer the "
+                             f"variable: a flag is visible to other users in the process list)")
+    parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the run folder's "
+                                                           "name)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's copy)")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                        help=f"sequences decoded together (default: {defaults.max_batch})")
+    limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help=f"sequences waiting for a slot before requests get 429 (default: {defaults.max_queue})")
+    limits.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                        help=f"largest max_tokens a request may ask (default: {defaults.max_tokens})")
+    limits.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help=f"largest request body (default: {defaults.max_body_bytes})")
+    limits.add_argument("--max-choices", type=int, default=defaults.max_choices,
+                        help=f"prompts x n in one request (default: {defaults.max_choices})")
+    limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
+                        help=f"seconds a request may take (default: {defaults.request_timeout:g})")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (default: info)")
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from scratchlm.errors import UserError
+    from scratchlm.extras import require
+    from scratchlm.train.checkpoint import load_for_inference, run_dir_of
+    from scratchlm.train.setup import select_device
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    require("fastapi", "serve", "scratchlm serve")
+    require("uvicorn", "serve", "scratchlm serve")
+    from scratchlm.serve.app import create_app
+    from scratchlm.serve.engine import Engine
+    from scratchlm.serve.server import serve
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise UserError("the API key is empty")
+    if not is_loopback(args.host) and api_key is None:
+        raise UserError(f"--host {args.host} is reachable from other machines: give an API key (--api-key or "
+                        f"{API_KEY_ENV}), or bind 127.0.0.1")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_batch=args.max_batch,
+                        max_queue=args.max_queue, max_choices=args.max_choices, request_timeout=args.request_timeout)
+    except ValueError as error:
+        raise UserError(str(error).replace("limit ", "--").replace("_", "-")) from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
+    model.to(getattr(torch, DTYPES[args.dtype]))
+    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
+    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue)
+    model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
+    app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)
+    print(f"scratchlm serve: {model_name} ({model.num_parameters():,} parameters, context "
+          f"{model.config.context_length}) on http://{args.host}:{args.port} - playground at /, API at /v1"
+          f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+    engine.start()
+    try:
+        serve(app, engine, args.host, args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

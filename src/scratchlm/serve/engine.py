@@ -1,0 +1,308 @@
+"""The continuously batched decoder: concurrent sequences decode together, joining and leaving between steps.
+
+One engine thread owns the model. `submit` puts sequences in a waiting queue (bounded: `QueueFull` past
+`max_queue`); before every decoding step the thread admits waiting sequences while the batch has fewer than
+`max_batch` rows, drops the rows that ended or were cancelled, and then decodes one token for every row in one
+forward pass over the shared KV cache (batch_cache.py). Each row samples with its own settings and its own
+`torch.Generator` through generate/sampling.py's `sample_next`, so a sequence alone on the engine makes the same
+forward calls as `generate()` (one prefill, then one token per step) and gives the same tokens for the same seed.
+
+A joining sequence is prefilled alone, into a cache of its own, then merged into the batch. Its prompt plus its
+max_tokens - 1 (the last token is never fed back) must fit the model's context (`check`; there is no sliding
+window here), which is what lets `batch_cache.compact` always make room. Results go out through each
+sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then `Finished`, or `Failed`
+(shutdown, or an error in a step).
+With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
+
+The engine is free of HTTP: app.py adapts it to requests, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from scratchlm.generate.sampling import sample_next
+from scratchlm.model import KVCache, TransformerLM, kernels
+from scratchlm.serve import batch_cache
+from scratchlm.serve.text import TextStream
+from scratchlm.tokenizer import Tokenizer
+
+log = logging.getLogger("scratchlm.serve")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One sequence's settings (generate/sampling.py's rule). logprobs: how many alternatives to report per
+    sampled token (0 = only the token's own log-probability; None = none)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Token:
+    """A sampled token and the text that became final with it ('' while a character or stop string is open)."""
+    id: int
+    text: str
+    logprob: float | None = None
+    top: dict[int, float] | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """log p(prompt[i] | prompt[:i]) for i >= 1 (None for the first) and the top alternatives at each position."""
+    logprobs: list[float | None]
+    top: list[dict[int, float] | None]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (end of text or a stop string) or "length" (max_tokens)
+    text: str = ""  # the rest of the text (a held-back tail that was not a stop string)
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    kind: str = "server_error"  # "shutdown" when the server is stopping
+
+
+class QueueFull(Exception):
+    """The waiting queue has no room for the submitted sequences."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt to continue. `emit` receives the events on the engine thread; `cancel()` is safe from anywhere."""
+    prompt_ids: list[int]
+    sampling: Sampling
+    emit: Callable[[object], None]
+    cancelled: bool = field(default=False, init=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True  # read by the engine thread before each step
+
+
+class _Row:
+    """A sequence in the batch: its generator, text, token count and the token to feed next."""
+
+    def __init__(self, sequence: Sequence, tokenizer: Tokenizer, device: torch.device) -> None:
+        self.sequence = sequence
+        self.sampling = sequence.sampling
+        seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.text = TextStream(tokenizer, self.sampling.stop)
+        self.generated = 0
+        self.last = -1
+        self.done = False
+
+
+class Engine:
+    def __init__(self, model: TransformerLM, tokenizer: Tokenizer, *, eos_id: int | None, max_batch: int = 16,
+                 max_queue: int = 64) -> None:
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
+        self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.vocab_limit = tokenizer.vocab_size  # a padded model vocabulary has ids without text
+        self.device = model.lm_head.weight.device
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._rows: list[_Row] = []
+        self._cache: KVCache | None = None
+        self._stopping = False
+        self.steps = 0  # decoding steps run (a batch of B rows counts once)
+        self.sampled = 0  # tokens sampled, over all sequences
+        self._thread = threading.Thread(target=self._run, name="scratchlm-serve-engine", daemon=True)
+
+    # ------------------------------------------------------------------ the caller's side (any thread)
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queue all of `sequences`, or none (ValueError for a bad one, QueueFull, RuntimeError once stopping)."""
+        for sequence in sequences:
+            self.check(sequence.prompt_ids, sequence.sampling.max_tokens)
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the engine is stopping")
+            if any(waiting.cancelled for waiting in self._waiting):  # their clients left: they hold no place
+                self._waiting = collections.deque(waiting for waiting in self._waiting if not waiting.cancelled)
+            if len(self._waiting) + len(sequences) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting (queue limit {self.max_queue})")
+            self._waiting.extend(sequences)
+            self._wakeup.notify()
+
+    def check(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """A ValueError unless the prompt is token ids of the tokenizer and it fits the context with max_tokens."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if any(type(token) is not int or not 0 <= token < self.vocab_limit for token in prompt_ids):
+            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_limit)
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_limit})")
+        context = self.model.config.context_length
+        if len(prompt_ids) + max(max_tokens - 1, 0) > context:  # the last token sampled is never fed back
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, more than "
+                             f"the model's context of {context} tokens holds (prompt + max_tokens - 1)")
+
+    def request_stop(self) -> None:
+        """Fail every sequence and end the thread, soon. Only sets a flag: safe inside a signal handler."""
+        self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.request_stop()
+        with self._wakeup:
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, int]:
+        waiting = sum(not sequence.cancelled for sequence in self._waiting)
+        return {"active": len(self._rows), "waiting": waiting, "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "steps": self.steps, "tokens_sampled": self.sampled}
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        with torch.inference_mode(), kernels.decoding(self.model, 1):
+            while True:
+                with self._wakeup:
+                    while not (self._stopping or self._waiting or self._rows):
+                        self._wakeup.wait(0.1)  # a timeout: request_stop (a signal handler) cannot notify
+                    if self._stopping:
+                        break
+                try:
+                    self._step()
+                except Exception as error:  # a bug or out of memory: the clients hear of it, the server goes on
+                    log.exception("decoding step failed")
+                    self._fail_all(f"decoding failed: {type(error).__name__}: {error}")
+            self._fail_all("the server is shutting down", kind="shutdown")
+
+    def _step(self) -> None:
+        self._admit()
+        self._leave()
+        if not self._rows:
+            return
+        cache = self._cache
+        if cache.length + 1 > cache.max_seq_len:
+            batch_cache.compact(cache)
+        last = torch.tensor([[row.last] for row in self._rows], device=self.device)  # (B, 1)
+        logits = self.model(last, kv_cache=cache, last_only=True)[:, -1]  # (B, V)
+        self._sample(self._rows, logits)
+        self.steps += 1
+
+    def _admit(self) -> None:
+        while len(self._rows) < self.max_batch:
+            with self._wakeup:
+                if not self._waiting:
+                    return
+                sequence = self._waiting.popleft()
+            if not sequence.cancelled:
+                self._prefill(sequence)
+
+    def _prefill(self, sequence: Sequence) -> None:
+        row = _Row(sequence, self.tokenizer, self.device)
+        sampling = sequence.sampling
+        ids = torch.tensor([sequence.prompt_ids], device=self.device)  # (1, P)
+        cache = KVCache.for_model(self.model, 1) if sampling.max_tokens > 0 else None
+        logits = self.model(ids, kv_cache=cache, last_only=not sampling.prompt_logprobs)  # (1, P or 1, V)
+        if sampling.prompt_logprobs:
+            sequence.emit(self._prompt_logprobs(sequence.prompt_ids, logits[0], sampling.logprobs or 0))
+        if sampling.max_tokens == 0:
+            sequence.emit(Finished("length"))
+            return
+        self._sample([row], logits[:, -1])
+        if not row.done:
+            self._rows.append(row)
+            self._cache = batch_cache.merge(self.model, self._cache, cache)
+
+    def _leave(self) -> None:
+        """Drop finished and cancelled rows (and their cache rows)."""
+        kept = [index for index, row in enumerate(self._rows) if not (row.done or row.sequence.cancelled)]
+        if len(kept) == len(self._rows):
+            return
+        self._cache = batch_cache.select(self.model, self._cache, kept)
+        self._rows = [self._rows[index] for index in kept]
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """One token for each row from its logits (len(rows), V); emits them and marks the rows that end."""
+        chosen = [sample_next(logits[i:i + 1], temperature=row.sampling.temperature, top_k=row.sampling.top_k,
+                              top_p=row.sampling.top_p, generator=row.generator, vocab_limit=self.vocab_limit)
+                  for i, row in enumerate(rows)]
+        tokens = torch.cat(chosen).tolist()
+        self.sampled += len(tokens)
+        wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
+        scores = self._log_probs(logits[wanted]) if wanted else None
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            if token == self.eos_id:  # end of text: not part of the completion
+                self._finish(row, "stop")
+                continue
+            row.generated += 1
+            logprob = top = None
+            if scores is not None and i in wanted:
+                logprob, top = self._token_scores(scores[wanted.index(i)], token, row.sampling.logprobs)
+            row.last = token
+            row.sequence.emit(Token(token, row.text.add(token), logprob, top))
+            if row.text.stopped:
+                self._finish(row, "stop")
+            elif row.generated >= row.sampling.max_tokens:
+                self._finish(row, "length")
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        row.done = True
+        row.sequence.emit(Finished(reason, row.text.finish(), row.generated))
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """log-softmax over the tokenizer's ids, in float32: the model's own distribution (no temperature)."""
+        return logits[..., :self.vocab_limit].float().log_softmax(dim=-1)
+
+    @staticmethod
+    def _token_scores(scores: torch.Tensor, token: int, alternatives: int) -> tuple[float, dict[int, float]]:
+        top = {}
+        if alternatives:
+            values, ids = scores.topk(alternatives)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        return float(scores[token]), top
+
+    def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, alternatives: int) -> PromptLogprobs:
+        """logits (P, V) of the whole prompt -> the log-probability of each prompt token after the ones before."""
+        scores = self._log_probs(logits[:-1])  # (P - 1, V): position i predicts token i + 1
+        targets = torch.tensor(prompt[1:], device=scores.device)
+        logprobs = scores.gather(-1, targets[:, None])[:, 0].tolist() if len(prompt) > 1 else []
+        top: list[dict[int, float] | None] = [None]
+        if alternatives:
+            values, ids = scores.topk(alternatives, dim=-1)
+            top += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            top += [{} for _ in logprobs]
+        return PromptLogprobs([None, *logprobs], top)
+
+    def _fail_all(self, message: str, kind: str = "server_error") -> None:
+        for row in self._rows:
+            if not row.done:
+                row.sequence.emit(Failed(message, kind))
+        self._rows, self._cache = [], None
+        if kind == "shutdown":
+            with self._wakeup:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for sequence in waiting:
+                sequence.emit(Failed(message, kind))
