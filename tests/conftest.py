@@ -46,6 +46,16 @@ def hf_offline_one_thread(monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def one_thread_module():
+    """One intra-op thread for a whole module: tiny matmuls on a busy 2-core machine run ~50x faster than two threads
+    spin-waiting, and bitwise-comparable losses across runs need equal thread counts (tests/test_trainer.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def hf_offline_module():
     """No Hub access for a whole module (its module-scoped fixtures build Hugging Face tokenizers)."""
     with pytest.MonkeyPatch.context() as patch:

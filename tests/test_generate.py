@@ -19,13 +19,7 @@ from scratchlm.model.layers import linear
 CONTEXT = 32  # the tiny preset's context_length
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls on a busy 2-core machine: one thread is ~50x faster than two threads spin-waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ SHORT = ["--set", "data.batch_size=4", "--set", "optim.warmup_iters=1", "--set",
          "--set", "train.eval_batches=1", "--set", "train.device=cpu", "--quiet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Bitwise-comparable losses across runs need equal thread counts (tests/test_trainer.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def byte_tokenizer(shift: int) -> Tokenizer:

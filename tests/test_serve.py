@@ -19,12 +19,7 @@ from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, httpx, servi
 openai = pytest.importorskip("openai", reason="the test extra's openai client is not installed")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

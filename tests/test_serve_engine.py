@@ -19,13 +19,7 @@ from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, Sam
 from scratchlm.serve.text import TextStream
 from serve_helpers import CONTEXT, EOS, byte_tokenizer, tiny_model
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")
