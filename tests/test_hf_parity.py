@@ -228,7 +228,10 @@ def test_harmless_sliding_settings_are_accepted():
     for model_type, options in (("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
                                 ("qwen2", dict(use_sliding_window=False, sliding_window=16)),
                                 ("mistral", dict(sliding_window=100))):
-        hf_config_to_model_config(transformers.AutoConfig.for_model(model_type, **(base | options)))
+        cfg = hf_config_to_model_config(transformers.AutoConfig.for_model(model_type, **(base | options)))
+        # The full-attention model of the same shape: nothing of the window survives, nothing else is lost.
+        assert (cfg.context_length, cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (64, 32, 2, 4, 4)
+        assert cfg.qkv_bias == (model_type == "qwen2")
 
 
 def test_llama3_parameters_are_read_and_written():
