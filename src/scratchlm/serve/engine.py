@@ -183,7 +183,9 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        with torch.inference_mode(), kernels.decoding(self.model, 1):
+        # Decoding for max_batch rows packs the weights (packed_linear.py) once for the server's life; a step with
+        # fewer rows than the packed product needs takes the unpacked kernels (each call checks its rows).
+        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch):
             while True:
                 with self._wakeup:
                     while not (self._stopping or self._waiting or self._rows):
