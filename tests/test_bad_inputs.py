@@ -56,6 +56,10 @@ def world(tmp_path_factory) -> Path:
 
         parquet.write_table(table({"text": ["the cat", "sat"]}), root / "docs" / "b.parquet")
     (root / "bad_utf8.jsonl").write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": "caf\xe9"}\n')
+    (root / "no_continuation.jsonl").write_text('{"context": "the", "continuation": " cat"}\n{"context": "a"}\n')
+    (root / "continuations.jsonl").write_text('{"context": "the", "continuation": " cat"}\n')
+    (root / "not_json.jsonl").write_text('{"context": "the", "continuation": " cat"}\nthe cat\n')
+    (root / "number_continuation.jsonl").write_text('{"context": "the", "continuation": 5}\n')
     token_a, token_b = byte_tokenizer(0), byte_tokenizer(1)
     token_a.save(root / "tokA")
     token_b.save(root / "tokB")
@@ -147,6 +151,8 @@ def test_data_encode(world, tmp_path, capsys, argv, message):
     (["--input", "{T}/docs", "--out", "{T}/docs/tok"], "--out {T}/docs/tok lies inside the input {T}/docs"),
     (["--input", "{T}/*.missing", "--out", "{T}/new/tok"], "input pattern {T}/*.missing matches no files"),
     (["--input", "{T}/missing.txt", "--out", "{T}/new/tok"], "input file {T}/missing.txt does not exist"),
+    (["--input", "{T}/corpus.txt", "--out", "{T}/new/tok", "--pattern", "(?P<x"],
+     "--pattern: split pattern '(?P<x' is not a valid regex"),
 ])
 def test_tokenizer_train(world, tmp_path, capsys, argv, message):
     vocab = [] if "--vocab-size" in argv else ["--vocab-size", "270"]
@@ -212,6 +218,15 @@ def test_generate(world, tmp_path, capsys, argv, message):
     (["--data", "{T}/val_b.tok"], "{T}/val_b.tok was encoded with tokenizer"),
     (["--data", "{T}/corpus.txt"], "{T}/corpus.txt is not a scratchlm token file"),
     (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),
+    (["--continuations", "{T}/no_continuation.jsonl"], "{T}/no_continuation.jsonl:2: field 'continuation' is missing"),
+    (["--continuations", "{T}/not_json.jsonl"], "{T}/not_json.jsonl:2: malformed JSON (Expecting value, column 1)"),
+    (["--continuations", "{T}/number_continuation.jsonl"],
+     "{T}/number_continuation.jsonl:1: field 'continuation' is 5, not a string"),
+    (["--continuations", "{T}/missing.jsonl"], "{T}/missing.jsonl: No such file or directory"),
+    (["--continuations", "{T}/continuations.jsonl", "--out", "{T}/continuations.jsonl"],
+     "--out {T}/continuations.jsonl is the input {T}/continuations.jsonl"),
+    (["--continuations", "{T}/continuations.jsonl", "--out", "{T}/notes.txt"],
+     "--out {T}/notes.txt exists: choose a new file"),
 ])
 def test_eval(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)

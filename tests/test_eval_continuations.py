@@ -135,7 +135,7 @@ def test_unscorable_continuations_name_their_line(model, tokenizer):
     ('{"context": "a", "continuation": ', "malformed JSON"),
     ('["a", "b"]', "want a JSON object"),
     ('{"continuation": "b"}', "field 'context' is missing"),
-    ('{"context": "a", "continuation": 3}', "field 'continuation' is a int, not a string"),
+    ('{"context": "a", "continuation": 3}', "field 'continuation' is 3, not a string"),
 ])
 def test_bad_lines_are_one_error_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "in.jsonl"

@@ -239,6 +239,7 @@ def _eval_continuations(args: argparse.Namespace, model, config, device) -> int:
 
     import torch
 
+    from scratchlm.errors import UserError
     from scratchlm.output_paths import refuse_inputs
     from scratchlm.train.loglikelihood import read_requests, score_requests
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
@@ -246,6 +247,8 @@ def _eval_continuations(args: argparse.Namespace, model, config, device) -> int:
 
     if args.out is not None:
         refuse_inputs(args.out, [args.continuations])
+        if args.out.exists():  # it may be anyone's file: scores go to a new one
+            raise UserError(f"--out {args.out} exists: choose a new file (eval never overwrites one)")
     requests = read_requests(args.continuations)
     tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
     with torch.inference_mode():

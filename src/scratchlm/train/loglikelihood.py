@@ -68,7 +68,7 @@ def read_requests(path: Path) -> list[Request]:
                                  f"got {type(record).__name__}")
             for field in ("context", "continuation"):
                 if not isinstance(record.get(field), str):
-                    found = "missing" if field not in record else f"a {type(record[field]).__name__}, not a string"
+                    found = "missing" if field not in record else f"{json.dumps(record[field])}, not a string"
                     raise ValueError(f"{path}:{number}: field {field!r} is {found}")
             requests.append(Request(number, record["context"], record["continuation"]))
     if not requests:
