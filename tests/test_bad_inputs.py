@@ -274,3 +274,18 @@ def test_sweep(world, tmp_path, capsys, argv, message, hold_lock):
 ])
 def test_report(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["report", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{T}/run", "--host", "0.0.0.0"], "--host 0.0.0.0 is reachable from other machines: give an API key"),
+    (["{T}/run", "--api-key", " "], "the API key is empty"),
+    (["{T}/run", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["{T}/run", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["{T}/run", "--max-batch", "0"], "--max-batch"),
+    (["{T}/run", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+    (["{T}/corpus.txt"], "{T}/corpus.txt is neither a checkpoint directory"),
+])
+def test_serve(world, tmp_path, capsys, argv, message, monkeypatch):
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    monkeypatch.delenv("SCRATCHLM_API_KEY", raising=False)
+    check_refused(world, tmp_path, capsys, ["serve", *argv], message)
