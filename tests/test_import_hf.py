@@ -104,11 +104,10 @@ def test_half_precision_weights_and_dtype(tmp_path, saved, built):
     expected = from_hf_state_dict({n: t.to(saved).to(built) for n, t in hf.state_dict().items()}, ours.config)
     for tensor_name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, expected[tensor_name]), tensor_name
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[built]
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[built]
     assert main(["import", "hf", "--model", str(folder), "--out", str(tmp_path / "run"), "--dtype", name]) == 0
     header = read_safetensors_header(next((tmp_path / "run").rglob("model.safetensors")))
-    assert {entry.dtype for entry in header.values()} == {{"float32": "F32", "bfloat16": "BF16",
-                                                          "float16": "F16"}[name]}
+    assert {entry.dtype for entry in header.values()} == {{"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[name]}
 
 
 def test_read_hf_folder_gives_model_and_tokenizer_without_writing(tmp_path):

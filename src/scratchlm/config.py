@@ -32,6 +32,7 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16", "fp16")
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DTYPES -> torch attribute names
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, DTYPES, HF_PACKAGES
+from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, HF_PACKAGES
+from scratchlm.config import DTYPES, TORCH_DTYPE_NAMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
                     help=f"refuse a config.json whose model would allocate more than this many GiB before its "
                          f"weights are checked (default {DEFAULT_MAX_GIB:g})")
-    hf.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="build the model and store its weights in this dtype (default float32; bf16/fp16 weights "
+    hf.add_argument("--dtype", choices=DTYPES, default="fp32",
+                    help="build the model and store its weights in this dtype (default fp32; bf16/fp16 weights "
                          "widen to it exactly)")
     hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
     hf.set_defaults(func=run_import_hf)
@@ -104,7 +105,8 @@ def run_import_hf(args: argparse.Namespace) -> int:
     if (run_dir / "checkpoints").exists():
         raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
     refuse_foreign_folder(run_dir, force=args.force)
-    model, tokenizer, missing = read_hf_folder(model_dir, max_gib=args.max_gib, dtype=getattr(torch, args.dtype))
+    dtype = getattr(torch, TORCH_DTYPE_NAMES[args.dtype])
+    model, tokenizer, missing = read_hf_folder(model_dir, max_gib=args.max_gib, dtype=dtype)
     with removed_on_failure(run_dir):
         checkpoint = write_run(model, tokenizer, run_dir)
     note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"

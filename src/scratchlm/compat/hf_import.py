@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # torch is imported where it is used: `scratchlm --help` impo
 
 HF_PACKAGES = ("transformers", "tokenizers")  # the [hf] extra: not part of a plain install
 DEFAULT_MAX_GIB = 8.0  # refuse a model whose build would allocate more (--max-gib)
-DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a model may be built in (--dtype)
 # Tensors some checkpoints carry that our model recomputes (RoPE frequencies): not weights, nothing lost.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

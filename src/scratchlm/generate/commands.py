@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
+from scratchlm.config import TORCH_DTYPE_NAMES
 
 EOS_TOKEN = "<|endoftext|>"
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # names as in train.dtype -> torch dtype names
+DTYPES = ("fp32", "bf16")  # train.dtype names (config.TORCH_DTYPE_NAMES): weights and KV cache
 
 EPILOG = """examples:
   scratchlm generate --checkpoint runs/demo --prompt "Once upon a time" --max-new-tokens 256
@@ -63,7 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     model, config = load_model_for_command(args, device=select_device(args.device))
-    model.to(getattr(torch, DTYPES[args.dtype]))
+    model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype]))
     # The run's own tokenizer (or --tokenizer); refuses one whose hash is not the run's.
     tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
     if tokenizer.vocab_size > model.config.vocab_size:

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from scratchlm.config import TORCH_DTYPE_NAMES
 from scratchlm.generate.commands import DTYPES, EOS_TOKEN
 from scratchlm.serve.limits import Limits
 
@@ -103,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
-    model.to(getattr(torch, DTYPES[args.dtype]))
+    model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype]))
     tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
     engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue)
