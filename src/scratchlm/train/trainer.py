@@ -57,6 +57,7 @@ from scratchlm.train.setup import (
     build_model,
     build_optimizer,
     check_dtype_on_device,
+    check_memory_fits,
     grad_scaler,
     open_data,
     prepare_run_dir,
@@ -150,7 +151,8 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 @locks_run  # one trainer per run directory (run_lock.py)
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
-          device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None) -> TrainResult:
+          device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
+          force_memory: bool = False) -> TrainResult:
     """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
     docstring.
 
@@ -158,6 +160,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
     ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
     model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
+    ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
     """
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
@@ -174,6 +177,8 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
     config = bind_vocab_size(config)  # model.vocab_size: the tokenizer's unless set (tokenizer_identity.py)
+    if not force_memory:  # before the budget's probe step builds a model
+        check_memory_fits(config, device, world_size)
     config = _planned(config, run_dir, resume, quiet or not is_main_process)
     default_threads = torch.get_num_threads()
     if config.train.threads is not None:
