@@ -353,6 +353,7 @@ class _Loop:
             message = self.watch.check() or ""
             if distributed.any_rank(bool(message), self.device):  # every rank stops at the same step
                 status, message = "diverged", message or f"diverged on another rank at step {step}"
+                self._log_divergence()
                 break
             if log:
                 self._log_train(lr, grad_norm)
@@ -411,6 +412,24 @@ class _Loop:
                          "wall_time": self._wall_time(), "train_time": self._train_time(), "loss": loss, "lr": lr,
                          "grad_norm": grad_norm.item(),
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
+
+    def _log_divergence(self) -> None:
+        """Train records of the last good step and the first bad one (loss and grad norm as measured), so a run
+        that diverged between two log steps, even before the first, still draws its curve up to the divergence.
+        Their tokens and lr are the steps' own; their times are this session's, interpolated (no step was timed
+        alone), and their throughput is left out."""
+        if self.logger is None:
+            return
+        done = self.state.step - self.start_step
+        for step, loss, grad_norm in self.watch.steps():
+            if step > self.window_start_step:  # the last good step may be a logged one already
+                share = (step - self.start_step) / done
+                self.logger.log({"kind": "train", "step": step,
+                                 "tokens": self.state.tokens - (self.state.step - step) * self.tokens_per_step,
+                                 "wall_time": self.start_wall + share * (self._wall_time() - self.start_wall),
+                                 "train_time": self.start_train_time + share * (self._train_time()
+                                                                                - self.start_train_time),
+                                 "loss": loss, "lr": learning_rate(step - 1, self.config), "grad_norm": grad_norm})
 
     def _evaluate(self) -> float | None:
         """The validation loss on rank 0 (None on the other ranks), logged there."""
