@@ -10,16 +10,20 @@ clock, plus process CPU time per step, which stays meaningful when other jobs sh
 - optionally ours under torch.compile (`--compile`).
 Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
 transformers imports included alike; its one model built and loaded from the saved weights + a few
-forward/backward steps), measured by harness.run_measured.
+forward/backward steps), measured by harness.run_measured; its growth over a child that only imports is the
+model's own (weights, gradients, what backward keeps, its transients). The memory runs add "plain": ours as
+model/ reads, without kernels (the readable path a learner steps through; target: growth <= Llama eager's).
 
     .venv/bin/python benchmarks/bench_model.py            # tinystories-17m 8x256 and tiny, + memory
     .venv/bin/python benchmarks/bench_model.py --quick    # fewer repeats
     .venv/bin/python benchmarks/bench_model.py --compile  # also time torch.compile(ours)
+    .venv/bin/python benchmarks/bench_model.py --memory-only --batch 4 --seq 256  # memory alone, any shape
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -54,8 +58,10 @@ def save_weights(preset: str, root: Path, seed: int = 0) -> Path:
 
 def build(name: str, cfg: ModelConfig, folder: Path) -> torch.nn.Module:
     """One contender, and only it, loaded with the weights in `folder` (save_weights), so all compute one function."""
-    if name == "ours":
-        model = kernels.apply(TransformerLM(cfg), "cpu")  # what train/setup.build_model does
+    if name in ("ours", "plain"):
+        model = TransformerLM(cfg)
+        if name == "ours":
+            kernels.apply(model, "cpu")  # what train/setup.build_model does
         model.load_state_dict(load_file(folder / "ours.safetensors"))
         return model
     return hf_llama(cfg, load_file(folder / "llama.safetensors"), name.removeprefix("llama-"),
@@ -133,13 +139,21 @@ def child_snippet(name: str, preset: str, batch: int, seq: int, folder: Path) ->
 
 
 def bench_memory(preset: str, batch: int, seq: int, repeats: int, folder: Path) -> None:
-    commands = {name: python_command(child_snippet(name, preset, batch, seq, folder)) for name in CONTENDERS}
+    commands = {name: python_command(child_snippet(name, preset, batch, seq, folder))
+                for name in ("plain", *CONTENDERS)}
     commands["baseline (imports only)"] = python_command(CHILD_IMPORTS)
     results = interleave_commands(commands, repeats)
     title = f"{preset} training-step peak RSS, batch {batch} x {seq}, one subprocess per run"
     report(title + " — vs Llama eager", results, "ours", "llama-eager")
     report(title + " — vs Llama sdpa", results, "ours", "llama-sdpa")
-    print(f"baseline peak RSS (interpreter + imports, no model): {results['baseline (imports only)'].peak_mb:,.0f} MB")
+    baseline = results["baseline (imports only)"].peak_mb
+    print(f"baseline peak RSS (interpreter + imports, no model): {baseline:,.0f} MB")
+    growth = {name: results[name].peak_mb - baseline for name in ("plain", *CONTENDERS)}
+    print(f"\n## {title} — peak RSS growth over the baseline (the model's own memory)")
+    print("| contender | growth MB | / llama-eager |\n|---|---:|---:|")
+    for name, grown in growth.items():
+        print(f"| {name} | {grown:,.0f} | {grown / growth['llama-eager']:.2f} |")
+    print("JSON " + json.dumps({"title": title, "peak_rss_growth_mb": growth}))
 
 
 def main() -> None:
@@ -147,15 +161,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, skip memory")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-only", action="store_true", help="only the peak-RSS runs, at --batch x --seq")
+    parser.add_argument("--batch", type=int, default=8, help="batch of the memory runs (default: 8)")
+    parser.add_argument("--seq", type=int, default=256, help="sequence length of the memory runs (default: 256)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else 5
     with tempfile.TemporaryDirectory() as root:
+        if args.memory_only:
+            folder = save_weights("tinystories-17m", Path(root))
+            bench_memory("tinystories-17m", args.batch, args.seq, repeats=1, folder=folder)
+            return
         weights = {preset: save_weights(preset, Path(root)) for preset in ("tinystories-17m", "tiny")}
         bench_speed("tinystories-17m", 8, 256, repeats, args.compile, weights["tinystories-17m"])
         bench_speed("tiny", 8, 32, repeats * 5, with_compile=False, folder=weights["tiny"])
         if not args.quick:
-            bench_memory("tinystories-17m", 8, 256, repeats=2, folder=weights["tinystories-17m"])
+            bench_memory("tinystories-17m", args.batch, args.seq, repeats=2, folder=weights["tinystories-17m"])
 
 
 if __name__ == "__main__":

@@ -211,6 +211,41 @@ def test_sdpa_fully_masked_row_returns_zeros_and_finite_grads():
     assert all(torch.isfinite(t.grad).all() for t in (Q, K, V))
 
 
+def _saved_storages(fn, *inputs: torch.Tensor) -> list[int]:
+    """Bytes of each storage autograd keeps for backward of fn(*inputs), inputs excluded, each counted once (a
+    matmul keeps reshaped views: the storage, not the shape, tells what is kept)."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn(*inputs)
+    for tensor in inputs:
+        saved.pop(tensor.untyped_storage().data_ptr(), None)
+    del out
+    return sorted(saved.values())
+
+
+def test_silu_keeps_only_its_input_for_backward_as_f_silu_does():
+    x = torch.randn(4, 8, requires_grad=True)
+    assert _saved_storages(silu, x) == _saved_storages(F.silu, x) == []  # x itself, excluded
+
+
+@pytest.mark.parametrize("masked", ["causal", "with a fully masked row"])
+def test_sdpa_keeps_one_scores_sized_tensor_for_backward(masked):
+    """The softmax output, shared by softmax's backward and the product with V; the fully-masked-row rule zeroes
+    the output rather than copying the weights."""
+    Q, K, V = (torch.randn(2, 3, 5, 4, requires_grad=True) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    if masked != "causal":
+        mask = mask.expand(2, 1, 5, 5).clone()
+        mask[0, 0, 2] = False
+    scores_sized = [n for n in _saved_storages(scaled_dot_product_attention, Q, K, V, mask) if n == 2 * 3 * 5 * 5 * 4]
+    assert len(scores_sized) == 1
+
+
 def _rope_via_complex(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Oracle: adjacent pairs as complex numbers multiplied by e^{i·pos·θ^(-2k/d)}."""
     d = x.shape[-1]

@@ -30,7 +30,7 @@ from scratchlm.model import TransformerLM
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.metrics import MetricsLogger, truncate_records
 from scratchlm.train.setup import build_optimizer
-from scratchlm.train.step import DivergenceWatch, train_step
+from scratchlm.train.step import DivergenceWatch, learning_rate, train_step
 from scratchlm.train.trainer import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -374,3 +374,33 @@ def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "scratchlm.train", "--help"], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0 and "--resume" in out.stdout and "--set" in out.stdout
+
+
+def test_a_run_that_diverges_before_its_first_log_keeps_its_last_good_and_bad_steps(data, tmp_path: Path):
+    """lr 1e6 diverges within a few steps, long before log step 100: the records of the last good step and the
+    first bad one are what the report draws (a line to the x at the divergence)."""
+    from scratchlm.experiments.curves import TRAINING_PANELS, curves_figure, panel_axes
+    from scratchlm.experiments.runs import load_run
+
+    run_dir = tmp_path / "lr1e6"
+    config = tiny_config(data, run_dir, "optim.lr=1e6", "optim.min_lr=0", "optim.warmup_iters=0",
+                         "optim.grad_clip=0", "train.log_every=100", "train.eval_every=100",
+                         "train.checkpoint_every=100", "train.max_steps=30")
+    result = train(config, quiet=True)
+    assert result.status == "diverged"
+    bad_step, bad_loss = load_run(run_dir).divergence
+    assert 1 < bad_step < 30
+    good, bad = records(run_dir, "train")
+    assert (good["step"], bad["step"]) == (bad_step - 1, bad_step)
+    assert math.isfinite(good["loss"]) and good["tokens"] == good["step"] * 4 * 32
+    assert good["lr"] == learning_rate(good["step"] - 1, config) and 0 < good["wall_time"] < bad["wall_time"]
+    loss, grad_norm = float(bad["loss"]), float(bad["grad_norm"])  # "nan"/"inf" as the metrics writer encodes them
+    assert not (math.isfinite(loss) and math.isfinite(grad_norm))  # as measured, not a mean of the window
+    assert loss == pytest.approx(bad_loss, rel=1e-5, nan_ok=True)  # the end message's loss (printed with %g)
+    fig = curves_figure([load_run(run_dir)])
+    for panel in TRAINING_PANELS[:2]:  # steps and tokens (wall time is interpolated)
+        (line,) = panel_axes(fig, panel).lines[1:]  # after the x marker: the run's line
+        xs = list(line.get_xdata())
+        scale = 1 if panel.x_key == "step" else 4 * 32
+        assert xs == [(bad_step - 1) * scale, bad_step * scale]
+        assert list(line.get_ydata())[0] == pytest.approx(good["loss"])

@@ -7,7 +7,8 @@ only (experiments/runs.py), so any run directory can be drawn.
 
 A diverged run stays on the plot up to where it diverged: its training-loss line ends with an x at the first
 bad step (read from its end record), drawn at the top edge when that loss was off the scale or not finite. The
-trainer stops before logging that step, so a run that diverged before its first log is only that x.
+trainer logs the last good step and the bad one when it stops, so a run that diverged before its first log still
+has a line to that x.
 
 matplotlib is imported inside the functions: the rest of the report (and scratchlm itself) does not need it.
 """

@@ -6,7 +6,8 @@
   `Llama3Scaling` optionally rescales the frequencies first (Llama 3.1's long-context rule).
 - `scaled_dot_product_attention(Q, K, V, mask)`: softmax(Q Kᵀ / √d_k) V over any leading dims. `mask` is bool,
   True = may attend. A query whose keys are ALL masked returns zeros, not NaN: that happens at left-padding
-  positions of a batch, whose outputs are never used, but NaNs there would still poison the backward pass.
+  positions of a batch, whose outputs are never used, but NaNs there would still poison the backward pass. Only
+  one (T_q, T_k) tensor per call is kept for backward, the softmax output, as in Hugging Face's eager attention.
 - `causal_attention(q, k, v, key_padding)`: the attention of a decoder, built on it: each query sees itself and
   the keys before it (and, with a KV cache, every cached key), never a padding key.
 - `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names),
@@ -113,11 +114,13 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])  # (..., T_q, T_k)
     if mask is None:
         return softmax(scores, dim=-1) @ V
-    weights = softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # exp(-inf) = 0: masked keys get nothing
-    # A row whose keys are all masked is all -inf, and softmax gives NaN there (0/0): it attends to nothing, so 0.
-    # (The backward is finite too: masked_fill passes no gradient to the filled scores, NaN or not.)
-    weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
-    return weights @ V
+    # A query whose keys are ALL masked attends to nothing: its output is 0. Its scores would be all -inf, and
+    # softmax NaN there (0/0), so such a row attends every key instead (finite weights, finite gradients) and its
+    # output is zeroed. Zeroing the (T_q, d_v) output, not the weights, keeps one (T_q, T_k) tensor for backward
+    # (the softmax output, which the product with V also keeps), not two.
+    empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): the queries with no key to attend
+    weights = softmax(scores.masked_fill(~(mask | empty), float("-inf")), dim=-1)  # exp(-inf) = 0: masked keys
+    return (weights @ V).masked_fill(empty, 0.0)  # get no weight
 
 
 def causal_mask(T_q: int, T_k: int, key_padding: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ inputs. Design choices:
   (300² · d > 65504) and loses all precision in bf16.
 - `softmax` is an autograd.Function with a hand-written backward: it saves only its output (like
   `torch.softmax`) instead of the four intermediates a chain of primitives would keep alive, which matters
-  for the (B, H, T, T) attention scores.
+  for the (B, H, T, T) attention scores. `silu` likewise saves only its input (like `F.silu`), not x and σ(x).
 - `Linear` computes x Wᵀ through its `matmul` attribute, `linear` here unless the trainer or the generator
   switched in a faster equivalent from model/kernels/ (`kernels.apply`). The optional bias (only the q/k/v
   projections of ``qkv_bias`` models have one) is added after `matmul`, so every kernel computes x Wᵀ alone.
@@ -143,9 +143,26 @@ def make_norm(kind: str, d_model: int, eps: float, device=None, dtype=None) -> n
     raise ValueError(f"unknown norm {kind!r}; expected rmsnorm, layernorm or none")
 
 
+class _SiLU(torch.autograd.Function):
+    """SiLU with a hand-written backward that keeps only its input: d/dx x·σ(x) = σ(x) · (1 + x · (1 - σ(x))),
+    with σ(x) recomputed. Autograd through x * sigmoid(x) would keep both x and σ(x): a second (..., d_ff)
+    tensor per FFN (torch's F.silu keeps only x too)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        sigmoid = torch.sigmoid(x)
+        return grad_y * sigmoid * (1 + x * (1 - sigmoid))
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU(x) = x · sigmoid(x)."""
-    return x * torch.sigmoid(x)
+    return _SiLU.apply(x)
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

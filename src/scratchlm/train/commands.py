@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="start from the weights, model config and tokenizer of a run, a checkpoint or a Hugging "
                             "Face model folder, with a fresh optimizer, schedule and budget (the config's [model] "
                             "table is not used); shorthand for --set train.init_from=PATH")
+    train.add_argument("--force-memory", action="store_true",
+                       help="train even when the memory estimate (parameters, gradients, optimizer state and "
+                            "activations, as `scratchlm accounting` counts them) exceeds the free memory: the "
+                            "estimate can be pessimistic; at your own risk")
     train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     train.set_defaults(func=run_train)
 
@@ -124,7 +128,8 @@ def run_train(args: argparse.Namespace) -> int:
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
         result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
-                       model_overrides=stated_values(args.overrides, "model"))  # what --init-from checks
+                       model_overrides=stated_values(args.overrides, "model"),  # what --init-from checks
+                       force_memory=args.force_memory)
     if result.status != "finished":
         print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
     elif not quiet:

@@ -122,8 +122,9 @@ def describe(record: dict[str, Any]) -> str:
     step = record["step"]
     if record["kind"] == "train":
         mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
-        return (f"step {step} loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
-                f"{record['tokens_per_s']:,.0f} tok/s{mfu}")
+        speed = f" {record['tokens_per_s']:,.0f} tok/s" if record.get("tokens_per_s") is not None else ""
+        return (f"step {step} loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f}"
+                f"{speed}{mfu}")
     if record["kind"] == "eval":
         return f"step {step} val_loss {record['val_loss']:.4f} val_ppl {record['val_ppl']:.2f}"
     return f"step {step}: {record['status']}" + (f": {record['message']}" if record.get("message") else "")

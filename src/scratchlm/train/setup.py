@@ -7,6 +7,9 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
   passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
 - The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
   training window), so the model's per-step token-id check is switched off.
+- A model whose training step cannot fit in the device's free memory is refused before anything is allocated
+  (``check_memory_fits``: the accounting estimate against what the device has free), in one line, instead of
+  dying in the allocator mid-build or swapping the machine to a halt.
 - The run directory is proven writable, and a run that already holds checkpoints refused without --resume,
   before the data is opened or the model built: an unusable directory is one clear error up front. ``train``
   holds the directory's lock (run_lock.py) by then, so the temporaries of crashed saves can be removed here.
@@ -14,12 +17,14 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from scratchlm.accounting.memory import MemoryEstimate, estimate_memory
 from scratchlm.config import DEVICE_PATTERN, RunConfig
 from scratchlm.model import TransformerLM, kernels
 from scratchlm.optim.adamw import AdamW
@@ -67,6 +72,78 @@ def select_device(name: str) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {name!r}: MPS is not available on this machine (use auto or cpu)")
     return device
+
+
+def training_memory(config: RunConfig, device: torch.device, world_size: int = 1) -> MemoryEstimate:
+    """accounting/memory.py's estimate of one training step of this run on ``device``: a micro-batch of
+    data.batch_size / train.grad_accum_steps sequences of model.context_length tokens at train.dtype, with
+
+    - the optimizer state of the chosen optimizer: AdamW keeps two fp32 moments (8 B a parameter), Muon one
+      momentum (4 B) for the matrices it takes (the recipe's groups on a bodiless "meta" copy of the model);
+    - no h·T² attention probabilities where torch's fused SDPA runs (it recomputes them in backward);
+    - with activation checkpointing, each block's input plus one block's internals (the one being recomputed);
+    - under FSDP, this rank's shard of the weights, gradients and optimizer state.
+    """
+    model = config.model
+    dtype = "fp32" if config.train.dtype == "fp32" else "bf16"  # fp16 takes the bytes bf16 does
+    estimate = estimate_memory(model, model.context_length, config.micro_batch_size, dtype)
+    muon = 0
+    if config.optim.optimizer == "muon":
+        meta = TransformerLM(model, device=torch.device("meta"))
+        muon = sum(p.numel() for group in recipe_param_groups(meta, config.optim) if group["algorithm"] == "muon"
+                   for p in group["params"])
+    activations = dict(estimate.activations)
+    fused = config.train.fused_attention if config.train.fused_attention is not None else device.type == "cuda"
+    if fused:
+        activations["attention_scores"] = 0
+    if config.train.activation_checkpointing:
+        width = 4 if dtype == "fp32" else 2
+        for name in ("norms", "attention", "attention_scores", "ffn"):
+            activations[name] //= model.num_layers
+        activations["block_inputs"] = model.num_layers * config.micro_batch_size * model.context_length \
+            * model.d_model * width
+    shard = world_size if config.train.parallel == "fsdp" else 1
+    return dataclasses.replace(estimate, parameters=estimate.parameters // shard,
+                               gradients=estimate.gradients // shard,
+                               optimizer_state=(estimate.optimizer_state - 4 * muon) // shard,
+                               activations=activations)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a run on ``device`` now: CUDA's free device memory, or the RAM the kernel could give a
+    process without swapping (Linux's MemAvailable); None where it is not known (MPS, a CPU elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if device.type != "cpu" or not meminfo.is_file():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # in kB
+    return None
+
+
+def check_memory_fits(config: RunConfig, device: torch.device, world_size: int = 1) -> None:
+    """Refuse a run whose training step (``training_memory``) needs more than ``available_memory``, in one line.
+    The estimate can be pessimistic (the allocator's reuse, kernels that keep less), so the CLI's
+    --force-memory skips this check."""
+    available = available_memory(device)
+    estimate = training_memory(config, device, world_size)
+    if available is None or estimate.total <= available:
+        return
+    activations = estimate.activation_total + sum(estimate.step_constant.values())
+    parts = (f"params {_gigabytes(estimate.parameters + estimate.autocast_weights)}, "
+             f"grads {_gigabytes(estimate.gradients)}, optimizer {_gigabytes(estimate.optimizer_state)}, "
+             f"activations {_gigabytes(activations)} at micro-batch {estimate.batch} x {estimate.context} "
+             f"{config.train.dtype}")
+    raise ValueError(f"the model needs ~{_gigabytes(estimate.total)} to train ({parts}) but "
+                     f"{_gigabytes(available)} is available on {device.type}: lower data.batch_size (or raise "
+                     f"train.grad_accum_steps) or the model size, or pass --force-memory (the estimate can be "
+                     f"pessimistic; at your own risk)")
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
 def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:

@@ -112,20 +112,33 @@ def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: to
 
 
 class DivergenceWatch:
-    """Records the first non-finite (or too large) step on the device; ``check`` reads it (a host sync)."""
+    """Records the first non-finite (or too large) step on the device, and the last good step before it;
+    ``check`` and ``steps`` read them (a host sync)."""
 
     def __init__(self, device: torch.device, max_loss: float | None) -> None:
         self.max_loss = max_loss
         self.first_step = torch.full((), -1, dtype=torch.long, device=device)
         self.values = torch.zeros(2, device=device)  # (loss, grad norm) at that step
+        self.last_good_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.last_good_values = torch.zeros(2, device=device)
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
         if self.max_loss is not None:
             bad |= loss > self.max_loss
-        new = bad & (self.first_step < 0)
-        self.first_step = torch.where(new, step, self.first_step)
-        self.values = torch.where(new, torch.stack([loss, grad_norm.to(loss.dtype)]), self.values)
+        before = self.first_step < 0
+        values = torch.stack([loss, grad_norm.to(loss.dtype)])
+        self.first_step = torch.where(bad & before, step, self.first_step)
+        self.values = torch.where(bad & before, values, self.values)
+        self.last_good_step = torch.where(~bad & before, step, self.last_good_step)
+        self.last_good_values = torch.where(~bad & before, values, self.last_good_values)
+
+    def steps(self) -> list[tuple[int, float, float]]:
+        """(step, loss, grad norm) of the last good step (when this session ran one) and of the first bad one: what
+        a diverged run logs, since the loop stops before logging the window it diverged in."""
+        recorded = [(int(self.last_good_step.item()), *self.last_good_values.tolist()),
+                    (int(self.first_step.item()), *self.values.tolist())]
+        return [entry for entry in recorded if entry[0] >= 0]
 
     def check(self) -> str | None:
         step = int(self.first_step.item())

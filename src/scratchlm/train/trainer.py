@@ -57,6 +57,7 @@ from scratchlm.train.setup import (
     build_model,
     build_optimizer,
     check_dtype_on_device,
+    check_memory_fits,
     grad_scaler,
     open_data,
     prepare_run_dir,
@@ -150,7 +151,8 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 @locks_run  # one trainer per run directory (run_lock.py)
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
-          device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None) -> TrainResult:
+          device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
+          force_memory: bool = False) -> TrainResult:
     """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
     docstring.
 
@@ -158,6 +160,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
     ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
     model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
+    ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
     """
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
@@ -174,6 +177,8 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
     config = bind_vocab_size(config)  # model.vocab_size: the tokenizer's unless set (tokenizer_identity.py)
+    if not force_memory:  # before the budget's probe step builds a model
+        check_memory_fits(config, device, world_size)
     config = _planned(config, run_dir, resume, quiet or not is_main_process)
     default_threads = torch.get_num_threads()
     if config.train.threads is not None:
@@ -348,6 +353,7 @@ class _Loop:
             message = self.watch.check() or ""
             if distributed.any_rank(bool(message), self.device):  # every rank stops at the same step
                 status, message = "diverged", message or f"diverged on another rank at step {step}"
+                self._log_divergence()
                 break
             if log:
                 self._log_train(lr, grad_norm)
@@ -406,6 +412,24 @@ class _Loop:
                          "wall_time": self._wall_time(), "train_time": self._train_time(), "loss": loss, "lr": lr,
                          "grad_norm": grad_norm.item(),
                          "tokens_per_s": steps * self.tokens_per_step / seconds, "mfu": mfu})
+
+    def _log_divergence(self) -> None:
+        """Train records of the last good step and the first bad one (loss and grad norm as measured), so a run
+        that diverged between two log steps, even before the first, still draws its curve up to the divergence.
+        Their tokens and lr are the steps' own; their times are this session's, interpolated (no step was timed
+        alone), and their throughput is left out."""
+        if self.logger is None:
+            return
+        done = self.state.step - self.start_step
+        for step, loss, grad_norm in self.watch.steps():
+            if step > self.window_start_step:  # the last good step may be a logged one already
+                share = (step - self.start_step) / done
+                self.logger.log({"kind": "train", "step": step,
+                                 "tokens": self.state.tokens - (self.state.step - step) * self.tokens_per_step,
+                                 "wall_time": self.start_wall + share * (self._wall_time() - self.start_wall),
+                                 "train_time": self.start_train_time + share * (self._train_time()
+                                                                                - self.start_train_time),
+                                 "loss": loss, "lr": learning_rate(step - 1, self.config), "grad_norm": grad_norm})
 
     def _evaluate(self) -> float | None:
         """The validation loss on rank 0 (None on the other ranks), logged there."""
