@@ -265,7 +265,8 @@ class LivePlan:
         reserve = 0.0
         if includes_eval:  # the evaluations to come, the final one included
             point = self.point_cost if self.point_cost is not None else evaluation_cost_steps(config) * step_seconds
-            reserve = point * (1 + (self.max_steps - step) // self.eval_every)
+            periodic = (self.max_steps - 1) // self.eval_every - step // self.eval_every  # steps after this one
+            reserve = point * (1 + periodic)
         remaining = REPLANNED_SHARE * config.train.budget_seconds - clock.used() - reserve
         total = step + max(1, math.floor(remaining / step_seconds))
         if total != self.max_steps:
