@@ -11,7 +11,7 @@ The probe is a guess: the machine may be busier (or quieter) later. The run ther
 (``LivePlan``), at every log step:
 
 - the step time is the median of the mean step times of the last ``WINDOWS`` log windows, measured on the budget's
-  clock without the evaluation/checkpoint pauses (a median: one window with a compile or a hiccup moves nothing);
+  clock without the evaluation/checkpoint pauses (a median: a window with a compile or a hiccup moves nothing);
 - ``max_steps`` becomes the step count that fills ``REPLANNED_SHARE`` of the budget from the time used so far,
   after a reserve for the evaluations still to come and the final one (with its checkpoint);
 - the decay follows the new end. Before it has begun, a WSD decay starts at ``decay_fraction`` of the new total
@@ -52,8 +52,8 @@ REPLANNED_SHARE = 0.97
 # Evaluations and checkpoints take at most this share of a budget that includes them: a learning curve of a few
 # points is worth a few percent of the training, not the 13% (40 of 300 s) a fixed 8 evaluations took on a CPU.
 EVAL_SHARE = 0.05
-WINDOWS = 5  # log windows in the step-time median
-MIN_WINDOWS = 3  # windows measured before the first re-plan: a median of three outvotes one compile step
+WINDOWS = 5  # log windows in the step-time median, and measured before the first re-plan: a median of five
+# outvotes two slow windows (a compile, a recompile at the first evaluation, a hiccup)
 REPORTED_CHANGE = 0.02  # a re-plan that moves the end by more than this share of the steps is printed
 EVALUATIONS = 8  # evaluations (and checkpoints) over a budgeted run: the learning curve's points
 MIN_STEPS = 10  # a budget that buys fewer steps than this (plus one evaluation) is refused
@@ -259,7 +259,7 @@ class LivePlan:
         includes_eval = config.train.budget_includes_eval
         if includes_eval and self.point_cost is None and clock.all_paused > 0:
             self._plan_evaluations(clock.all_paused, config)
-        step_seconds = statistics.median(self.samples) if len(self.samples) >= MIN_WINDOWS else 0.0
+        step_seconds = statistics.median(self.samples) if len(self.samples) == WINDOWS else 0.0
         if step_seconds <= 0:  # not measured yet (or a clock that stands still)
             return None
         reserve = 0.0
