@@ -5,6 +5,7 @@ probe is replaced by a fixed step time and the clock by a counter."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,12 @@ import torch
 from scratchlm.cli import main as cli_main
 from scratchlm.config import load_config
 from scratchlm.data.token_file import write_token_file
+from scratchlm.optim.schedule import Replanned
 from scratchlm.train import budget as budget_module
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.budget import BudgetClock, parse_duration, plan_steps
+from scratchlm.train.checkpoint import CheckpointManager
+from scratchlm.train.step import learning_rate
 from scratchlm.train.trainer import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -177,3 +181,127 @@ def one_thread():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# ---- re-planning on a simulated machine -------------------------------------------------------------------------
+
+REAL_WORK = (trainer_module.train_step, trainer_module.evaluate, CheckpointManager.save)  # before any machine
+
+
+class SimulatedMachine:
+    """The budget's clock, advanced only by the work the run does: each training step by its (changing) step time,
+    each evaluation and checkpoint by its cost. Records every step's learning rate and every checkpoint's plan."""
+
+    def __init__(self, step_seconds, eval_seconds: float = 1.0, checkpoint_seconds: float = 0.5) -> None:
+        self.step_seconds, self.eval_seconds, self.checkpoint_seconds = step_seconds, eval_seconds, checkpoint_seconds
+        self.now = self.paused = 0.0
+        self.lrs: list[float] = []
+        self.plans: list[dict] = []  # the live plan saved with each checkpoint
+        self.saved_steps: list[int] = []
+        self.stop_after: int | None = None  # steps after which a SIGINT arrives
+
+    def __call__(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch) -> None:
+        real_step, real_evaluate, real_save = REAL_WORK
+
+        def train_step(*args, lr, **kwargs):
+            self.lrs.append(lr)
+            self.now += self.step_seconds(len(self.lrs) - 1)
+            if len(self.lrs) == self.stop_after:
+                signal.raise_signal(signal.SIGINT)  # the loop finishes this step, saves and returns
+            return real_step(*args, lr=lr, **kwargs)
+
+        def evaluate(*args, **kwargs):
+            self.now += self.eval_seconds
+            self.paused += self.eval_seconds
+            return real_evaluate(*args, **kwargs)
+
+        def save(manager, step, *args, extra, **kwargs):
+            self.now += self.checkpoint_seconds
+            self.paused += self.checkpoint_seconds
+            self.plans.append(extra["plan"])
+            self.saved_steps.append(step)
+            return real_save(manager, step, *args, extra=extra, **kwargs)
+
+        monkeypatch.setattr(trainer_module, "train_step", train_step)
+        monkeypatch.setattr(trainer_module, "evaluate", evaluate)
+        monkeypatch.setattr(CheckpointManager, "save", save)
+        monkeypatch.setattr(trainer_module, "BudgetClock",
+                            lambda config, used=0.0: BudgetClock(config, used=used, clock=self))
+        monkeypatch.setattr(trainer_module, "plan_budget",
+                            lambda config: plan_steps(config, step_seconds=0.5, threads=1))  # the probe: 0.5 s
+
+
+BUDGET = 120.0  # simulated seconds: the probe's 0.5 s a step plans int(0.95 * 120 / 0.5 - 8) = 220 steps
+
+
+def simulated_config(data, run_dir: Path, *extra: str):
+    return config_for(data, run_dir, f"train.budget_seconds={BUDGET}", "optim.schedule=wsd",
+                      "optim.decay_fraction=0.3", "optim.warmup_iters=10", *extra)
+
+
+def changing_speed(factor: float, at_step: int):
+    return lambda step: 0.5 if step < at_step else 0.5 * factor
+
+
+@pytest.mark.parametrize("factor, at_step", [(1.3, 160), (1 / 1.3, 160), (1.3, 60), (1 / 1.3, 60)],
+                         ids=["slower-in-the-decay", "faster-in-the-decay", "slower-before-it", "faster-before-it"])
+def test_a_run_re_planned_for_a_machine_that_changes_speed_ends_its_cool_down_inside_the_budget(
+        data, tmp_path, monkeypatch, factor, at_step):
+    machine = SimulatedMachine(changing_speed(factor, at_step))
+    machine.install(monkeypatch)
+    config = simulated_config(data, tmp_path / "run")
+    result = train(config, quiet=True)
+    lrs, plan = machine.lrs, machine.plans[-1]
+    lr, min_lr = config.optim.lr, config.optim.min_lr
+    initial_start = 220 - round(0.3 * 220)  # 154: the decay's start in the probe's plan (re-planning, even at the
+    # probe's speed, moves it by a few steps: the re-plan's margin is smaller, and the evaluations are fewer)
+    # The run ends at its (re-planned) last step, inside the budget, having used nearly all of it.
+    assert result.status == "finished" and "ran out" not in result.message
+    assert result.final_step == len(lrs) == plan["max_steps"] and plan["planned_steps"] == 220
+    assert 0.9 * BUDGET <= machine.now <= BUDGET
+    assert (plan["max_steps"] < 220) == (factor > 1)  # a slower machine runs fewer steps, a faster one more
+    # The schedule: warm-up up, then never up again, and the cool-down complete: the schedule stands at min_lr at
+    # the end, and the last step trains one decay step above it.
+    peak = lrs.index(lr)
+    assert lrs[:peak] == sorted(lrs[:peak]) and all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    replanned = load_config(tmp_path / "run" / "config.toml").with_overrides([f"train.max_steps={len(lrs)}"])
+    decay = Replanned(plan["decay"][0], plan["decay"][1], plan["max_steps"])
+    assert learning_rate(len(lrs), replanned, decay) == min_lr
+    assert learning_rate(len(lrs) - 1, replanned, decay) == lrs[-1]
+    assert min_lr < lrs[-1] < min_lr + 0.05 * (lr - min_lr)
+    decay_start = next(i for i in range(peak, len(lrs)) if lrs[i] < lr) - 1  # the last step at the peak
+    follows_the_end = len(lrs) - round(0.3 * len(lrs))
+    if at_step > initial_start:  # the decay had begun: its start stays, the rest is stretched or shrunk
+        assert abs(decay_start - initial_start) <= 3 and decay_start < at_step and decay_start != follows_the_end
+    else:  # not yet begun: it starts at decay_fraction of the new total
+        assert decay_start == follows_the_end and abs(decay_start - initial_start) > 10
+    # Evaluations and checkpoints kept to their share of the budget; the last step was evaluated and saved.
+    assert machine.paused <= budget_module.EVAL_SHARE * BUDGET
+    assert metrics(tmp_path / "run", "eval")[-1]["step"] == result.final_step
+
+
+def test_a_re_planned_run_resumes_exactly_where_it_stopped(data, tmp_path, monkeypatch):
+    # 0.5 s a step, then 0.625: dyadic times, so the unbroken and the resumed runs' clocks read the same numbers;
+    # a checkpoint costs nothing, since its own time is not in the budget_used it records.
+    speed = changing_speed(1.25, 100)
+    unbroken = SimulatedMachine(speed, checkpoint_seconds=0.0)
+    unbroken.install(monkeypatch)
+    train(simulated_config(data, tmp_path / "unbroken"), quiet=True)
+    # Stop at a checkpoint step after the slow-down (so after re-plans), then resume on the same machine.
+    stop = next(step for step in unbroken.saved_steps if step > 120)
+    resumed = SimulatedMachine(speed, checkpoint_seconds=0.0)
+    resumed.install(monkeypatch)
+    resumed.stop_after = stop
+    run_dir = tmp_path / "resumed"
+    first = train(simulated_config(data, run_dir), quiet=True)
+    assert first.status == "interrupted" and first.final_step == stop
+    resumed.stop_after = None
+    second = train(simulated_config(data, run_dir), resume=True, quiet=True)
+    assert second.status == "finished" and second.final_step == len(unbroken.lrs) != 220
+    assert resumed.lrs == unbroken.lrs and resumed.plans[-1]["max_steps"] == unbroken.plans[-1]["max_steps"]
+    for kind, fields in (("train", ("step", "loss", "lr")), ("eval", ("step", "val_loss"))):
+        assert [[r[f] for f in fields] for r in metrics(run_dir, kind)] == \
+            [[r[f] for f in fields] for r in metrics(tmp_path / "unbroken", kind)]

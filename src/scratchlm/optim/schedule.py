@@ -19,11 +19,36 @@ the cool-down is where most of the loss drop shows.
 
 Being pure functions of the iteration, a resumed run recomputes the same rate without saving any state; the
 trainer writes the value into each ``param_group["lr"]`` before ``optimizer.step()``.
+
+A time-budgeted run moves its end as it goes (train/budget.py), and a decay that is already under way must then
+continue from where it stands, never jump up: ``Replanned`` says where the decay's progress p stands at an anchor
+step and where it reaches 1 (min_lr); both schedules take one in place of the p their formula above gives.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """A decay re-planned mid-run: from step ``anchor`` on, its progress runs linearly from ``anchor_progress`` to
+    1 at step ``end``, so the rate continues from its value at the anchor and falls monotonically to min_lr.
+
+    Steps before the anchor are the past, which a re-plan does not describe: they read as the anchor's progress
+    (0 for a WSD decay that has not started: the stable phase). ``end`` > ``anchor``."""
+
+    anchor: int
+    anchor_progress: float
+    end: int
+
+    def progress(self, it: int) -> float:
+        if it <= self.anchor:
+            return self.anchor_progress
+        if it >= self.end:
+            return 1.0
+        return self.anchor_progress + (1 - self.anchor_progress) * (it - self.anchor) / (self.end - self.anchor)
 
 
 def _validate(max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> None:
@@ -36,38 +61,40 @@ def _validate(max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iter
         raise ValueError(f"lr schedule: need 0 <= min_lr <= max_lr, got min_lr={min_lr}, max_lr={max_lr}")
 
 
-def lr_cosine_schedule(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> float:
-    """Learning rate at iteration ``it`` (0-based)."""
+def lr_cosine_schedule(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int,
+                       replanned: Replanned | None = None) -> float:
+    """Learning rate at iteration ``it`` (0-based); ``replanned`` (after the warm-up) replaces the cycle's end."""
     _validate(max_lr, min_lr, warmup_iters, cosine_cycle_iters)
     if it < 0:
         raise ValueError(f"lr schedule: iteration must be >= 0, got {it}")
     if it < warmup_iters:
         return max_lr * it / warmup_iters
-    if it > cosine_cycle_iters:
+    decay = replanned or Replanned(warmup_iters, 0.0, cosine_cycle_iters)
+    if it > decay.end:
         return min_lr
-    decay_iters = cosine_cycle_iters - warmup_iters
-    if decay_iters == 0:  # warm-up ends exactly where the cycle ends: nothing to decay over
+    if decay.end == decay.anchor:  # warm-up ends exactly where the cycle ends: nothing to decay over
         return max_lr if it == warmup_iters else min_lr
-    progress = (it - warmup_iters) / decay_iters  # in [0, 1]
+    progress = decay.progress(it)  # in [0, 1]
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
 def lr_wsd_schedule(it: int, max_lr: float, min_lr: float, warmup_iters: int, total_iters: int,
-                    decay_fraction: float, shape: str = "linear") -> float:
-    """Learning rate at iteration ``it`` (0-based) of a warm-up, stable, decay schedule over ``total_iters``."""
+                    decay_fraction: float, shape: str = "linear", replanned: Replanned | None = None) -> float:
+    """Learning rate at iteration ``it`` (0-based) of a warm-up, stable, decay schedule over ``total_iters``;
+    ``replanned`` replaces the decay's start and end (its anchor, with progress 0 while the decay has not begun)."""
     decay_iters = round(decay_fraction * total_iters)
-    _validate(max_lr, min_lr, warmup_iters, total_iters - decay_iters)
+    decay = replanned or Replanned(total_iters - decay_iters, 0.0, total_iters)
+    _validate(max_lr, min_lr, warmup_iters, total_iters - decay_iters if replanned is None else warmup_iters)
     if shape not in ("linear", "1-sqrt"):
         raise ValueError(f"lr schedule: decay shape must be linear or 1-sqrt, got {shape!r}")
     if it < 0:
         raise ValueError(f"lr schedule: iteration must be >= 0, got {it}")
     if it < warmup_iters:
         return max_lr * it / warmup_iters
-    decay_start = total_iters - decay_iters
-    if it < decay_start:
+    if it < decay.anchor and decay.anchor_progress == 0:
         return max_lr
-    if it >= total_iters or decay_iters == 0:
+    if it >= decay.end or decay.end == decay.anchor:
         return min_lr
-    progress = (it - decay_start) / decay_iters  # in [0, 1)
+    progress = decay.progress(it)  # in [0, 1)
     remaining = 1 - progress if shape == "linear" else 1 - math.sqrt(progress)
     return min_lr + (max_lr - min_lr) * remaining

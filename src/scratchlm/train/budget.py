@@ -7,9 +7,25 @@ step, which pays one-off allocation costs) and sets ``train.max_steps`` so that 
 then laid over exactly those steps, so the schedule ends where the time does. The plan also spreads
 ``EVALUATIONS`` evaluations (each with a checkpoint) over the run.
 
-If the machine slows down mid-run (another busy process), the loop stops at the budget anyway, through the same
-graceful path as the last step: a final evaluation and a checkpoint (``BudgetClock``). A resumed run keeps its
-plan: the planned fields are saved in the run's config.toml and a resume never re-plans.
+The probe is a guess: the machine may be busier (or quieter) later. The run therefore re-plans as it goes
+(``LivePlan``), at every log step:
+
+- the step time is the median of the mean step times of the last ``WINDOWS`` log windows, measured on the budget's
+  clock without the evaluation/checkpoint pauses (a median: a window with a compile or a hiccup moves nothing);
+- ``max_steps`` becomes the step count that fills ``REPLANNED_SHARE`` of the budget from the time used so far,
+  after a reserve for the evaluations still to come and the final one (with its checkpoint);
+- the decay follows the new end. Before it has begun, a WSD decay starts at ``decay_fraction`` of the new total
+  (never before the current step); once it has begun, its start is frozen and the rest of the decay is stretched
+  or shrunk from where it stands: its progress runs linearly from the current value to 1 at the new end
+  (``optim.schedule.Replanned``). So the rate is continuous, never goes up during the decay and reaches min_lr at
+  the run's end; a cosine decay (over the whole run) re-plans its end the same way after the warm-up.
+- Evaluations and checkpoints are planned too when the budget includes them: the first one's measured cost
+  (evaluation + checkpoint + plot) sets how many more fit in ``EVAL_SHARE`` of the budget, and with it the cadence
+  (and, if even the last one would not fit, fewer validation batches).
+
+The live plan is saved in every checkpoint (``LoopState.plan``) with the step-time window, so a resumed run carries
+on with the same plan as one that never stopped. The loop still stops at the budget if a step overruns it
+(``BudgetClock``), through the same graceful path as the last step: a final evaluation and a checkpoint.
 
 On a CPU shared with other busy processes, PyTorch's worker threads wait on each other and one thread can be
 several times faster than the default; the probe tries both and keeps the faster (``choose_threads``).
@@ -19,15 +35,26 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from scratchlm.config import RunConfig
+from scratchlm.optim.schedule import Replanned
 
 PLANNED_SHARE = 0.95  # of the budget; the rest absorbs step-time noise and the final checkpoint
+# Once steps are measured, the plan is corrected every log step: the margin is left only for the steps after the
+# last correction (a log window, ~2% of the run) running slower than measured.
+REPLANNED_SHARE = 0.97
+# Evaluations and checkpoints take at most this share of a budget that includes them: a learning curve of a few
+# points is worth a few percent of the training, not the 13% (40 of 300 s) a fixed 8 evaluations took on a CPU.
+EVAL_SHARE = 0.05
+WINDOWS = 5  # log windows in the step-time median, and measured before the first re-plan: a median of five
+# outvotes two slow windows (a compile, a recompile at the first evaluation, a hiccup)
+REPORTED_CHANGE = 0.02  # a re-plan that moves the end by more than this share of the steps is printed
 EVALUATIONS = 8  # evaluations (and checkpoints) over a budgeted run: the learning curve's points
 MIN_STEPS = 10  # a budget that buys fewer steps than this (plus one evaluation) is refused
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -147,15 +174,23 @@ class BudgetClock:
         self.used_before = used  # from earlier sessions of a resumed run
         self.session_start = clock()
         self.paused = 0.0  # excluded pause time of this session
+        self.all_paused = 0.0  # all pause time of this session, excluded or not
         self.pause_start: float | None = None
 
     def begin_pause(self) -> None:
         self.pause_start = self.clock()
 
     def end_pause(self) -> None:
+        seconds = self.clock() - self.pause_start
+        self.all_paused += seconds
         if not self.includes_eval:
-            self.paused += self.clock() - self.pause_start
+            self.paused += seconds
         self.pause_start = None
+
+    def training_seconds(self) -> float:
+        """Seconds of this session spent training, without any pause: what the step time is measured on."""
+        now = self.pause_start if self.pause_start is not None else self.clock()
+        return now - self.session_start - self.all_paused
 
     def used(self) -> float:
         excluding = not self.includes_eval and self.pause_start is not None
@@ -164,3 +199,121 @@ class BudgetClock:
 
     def exceeded(self) -> bool:
         return self.budget is not None and self.used() >= self.budget
+
+
+NO_PERIODIC_EVALUATION = 2**31 - 1  # an eval_every no step reaches: only the final evaluation remains
+
+
+@dataclass
+class LivePlan:
+    """A budgeted run's plan as it is corrected during the run (module docstring); JSON-able for the checkpoint."""
+
+    max_steps: int
+    eval_every: int
+    eval_batches: int
+    planned_steps: int  # the probe's plan, for the final summary
+    decay: list | None = None  # [anchor, anchor_progress] of the re-planned decay (None: the schedule's own)
+    samples: list[float] = field(default_factory=list)  # mean step seconds of the last log windows
+    point_cost: float | None = None  # seconds of one evaluation + checkpoint, measured on the first one
+    replans: int = 0  # re-plans that changed max_steps
+    reported_steps: int = 0  # max_steps at the last printed re-plan
+    window: list | None = None  # [step, training seconds] where the current log window began (this session)
+
+    @classmethod
+    def start(cls, config: RunConfig, saved: dict | None) -> LivePlan:
+        """The plan of a fresh run (from the probe's config) or the one a resumed run saved."""
+        if saved is not None:
+            plan = cls(**saved)
+        else:
+            train = config.train
+            plan = cls(train.max_steps, train.eval_every, train.eval_batches, train.max_steps,
+                       reported_steps=train.max_steps)
+            if replans_decay(config):
+                plan.decay = [_decay_start(config, train.max_steps), 0.0]
+        return plan
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def applied(self, config: RunConfig) -> RunConfig:
+        """``config`` with this plan's max_steps and evaluation/checkpoint cadence."""
+        return config.with_overrides([
+            f"train.max_steps={self.max_steps}", f"train.eval_every={self.eval_every}",
+            f"train.checkpoint_every={self.eval_every}", f"train.eval_batches={self.eval_batches}"])
+
+    def replanned(self) -> Replanned | None:
+        """The learning-rate schedule's decay under this plan (None: the schedule follows config as planned)."""
+        return None if self.decay is None else Replanned(self.decay[0], self.decay[1], self.max_steps)
+
+    def begin_session(self, step: int, clock: BudgetClock) -> None:
+        """A session's first log window starts at its first step (a saved window holds another session's time)."""
+        self.window = [step, clock.training_seconds()]
+
+    def replan(self, step: int, clock: BudgetClock, config: RunConfig) -> str | None:
+        """Measure the log window that ends at ``step`` and re-plan the rest of the run (module docstring); a line
+        saying so when the end moved by more than REPORTED_CHANGE since the last such line."""
+        now = clock.training_seconds()
+        if self.window is not None and step > self.window[0]:
+            self.samples = [*self.samples, (now - self.window[1]) / (step - self.window[0])][-WINDOWS:]
+        self.window = [step, now]
+        includes_eval = config.train.budget_includes_eval
+        if includes_eval and self.point_cost is None and clock.all_paused > 0:
+            self._plan_evaluations(clock.all_paused, config)
+        step_seconds = statistics.median(self.samples) if len(self.samples) == WINDOWS else 0.0
+        if step_seconds <= 0:  # not measured yet (or a clock that stands still)
+            return None
+        reserve = 0.0
+        if includes_eval:  # the evaluations to come, the final one included
+            point = self.point_cost if self.point_cost is not None else evaluation_cost_steps(config) * step_seconds
+            periodic = (self.max_steps - 1) // self.eval_every - step // self.eval_every  # steps after this one
+            reserve = point * (1 + periodic)
+        remaining = REPLANNED_SHARE * config.train.budget_seconds - clock.used() - reserve
+        total = step + max(1, math.floor(remaining / step_seconds))
+        if total != self.max_steps:
+            self._move_end(step, total, config)
+        if abs(total - self.reported_steps) <= REPORTED_CHANGE * self.reported_steps:
+            return None
+        was, self.reported_steps = self.reported_steps, total
+        decay = f"; the decay from step {self.decay[0]}" if self.decay is not None else ""
+        return f"re-planned at step {step}: {step_seconds:.3f} s/step measured -> {total} steps (was {was}){decay}"
+
+    def _move_end(self, step: int, total: int, config: RunConfig) -> None:
+        if self.decay is not None:
+            anchor, progress = self.decay
+            if step < anchor and progress == 0:  # the decay has not begun: it starts where the new total puts it
+                start = _decay_start(config, total) if config.optim.schedule == "wsd" else anchor
+                self.decay = [min(total - 1, max(start, step)), 0.0]
+            else:  # under way: frozen where it began, continued from where it stands to the new end
+                self.decay = [step, self.replanned().progress(step)]
+        self.max_steps = total
+        self.replans += 1
+
+    def _plan_evaluations(self, cost: float, config: RunConfig) -> None:
+        """The cadence that keeps evaluations (with their checkpoints) within EVAL_SHARE, from the first one's
+        ``cost``. Counted: the one already done, the final one and one spare for a run that grows, so
+        ``affordable - 2`` periodic ones remain."""
+        share = EVAL_SHARE * config.train.budget_seconds
+        affordable = math.floor(share / cost)
+        if affordable < 2:  # not even this one and the final one: evaluate on fewer batches (the checkpoint stays)
+            self.eval_batches = max(1, math.floor(self.eval_batches * share / (2 * cost)))
+            cost = share / 2
+        self.point_cost = cost
+        periodic = min(EVALUATIONS, affordable - 2)
+        self.eval_every = max(1, math.ceil(self.max_steps / periodic)) if periodic > 0 else NO_PERIODIC_EVALUATION
+
+    def summary(self, step: int, clock: BudgetClock) -> str:
+        return (f"budget {clock.budget:g} s: {self.planned_steps} steps planned by the probe, {step} run "
+                f"({self.replans} re-plan{'s' * (self.replans != 1)}), {clock.used():.0f} s of the budget used")
+
+
+def replans_decay(config: RunConfig) -> bool:
+    """Whether the schedule's decay follows max_steps, and so moves with a re-plan: WSD, and a cosine over the
+    whole run (one with its own optim.cosine_cycle_iters keeps it)."""
+    return config.optim.schedule == "wsd" or config.optim.cosine_cycle_iters is None
+
+
+def _decay_start(config: RunConfig, total: int) -> int:
+    """Where the schedule's decay begins in a run of ``total`` steps: WSD's last decay_fraction, cosine's warm-up."""
+    if config.optim.schedule == "wsd":
+        return max(config.optim.warmup_iters, total - round(config.optim.decay_fraction * total))
+    return config.optim.warmup_iters

@@ -29,24 +29,24 @@ from torch import nn
 from scratchlm.config import RunConfig
 from scratchlm.data.batches import validation_batches
 from scratchlm.optim.clip import clip_gradients
-from scratchlm.optim.schedule import lr_cosine_schedule, lr_wsd_schedule
+from scratchlm.optim.schedule import Replanned, lr_cosine_schedule, lr_wsd_schedule
 from scratchlm.train import distributed
 from scratchlm.train.loss import cross_entropy
 
 
-def learning_rate(step: int, config: RunConfig) -> float:
+def learning_rate(step: int, config: RunConfig, replanned: Replanned | None = None) -> float:
     """The scheduled peak rate (optim.lr scale) at ``step``: warm-up, then cosine decay to min_lr at step
     ``cosine_cycle_iters`` (default: train.max_steps), or WSD's stable phase and decay over the last
     ``decay_fraction`` of train.max_steps. Every param group trains at this times its ``lr_scale``.
 
     Steps run from 0 to max_steps - 1 (the CS336 convention), so the last step trains just above min_lr, and step 0
-    of a warm-up trains at lr 0."""
+    of a warm-up trains at lr 0. ``replanned``: a time budget's decay, re-planned as the run goes (train/budget.py)."""
     optim = config.optim
     if optim.schedule == "wsd":
         return lr_wsd_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, config.train.max_steps,
-                               optim.decay_fraction, optim.decay_shape)
+                               optim.decay_fraction, optim.decay_shape, replanned)
     cycle = config.train.max_steps if optim.cosine_cycle_iters is None else optim.cosine_cycle_iters
-    return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle)
+    return lr_cosine_schedule(step, optim.lr, optim.min_lr, optim.warmup_iters, cycle, replanned)
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.dtype -> autocast dtype (fp32: none)

@@ -17,9 +17,11 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
   checkpoints' config.json hold paths relative to the run (config.run_relative). A moved or copied run resumes
   where it is; only the token files must be given anew (--set data.train_path=...) if they did not move with it.
 - SIGINT/SIGTERM set a flag; the loop finishes the current step, saves a checkpoint and returns "interrupted".
-- A time budget (train.budget_seconds) is planned before the run from a measured step (budget.py); the loop
-  still stops at the budget, through the same path as the last step (final evaluation, checkpoint), if the
-  machine slows down. A resumed run keeps its plan and the budget time it had used.
+- A time budget (train.budget_seconds) is planned before the run from a measured step and re-planned at every log
+  step from the measured ones (budget.LivePlan: max_steps, the decay, the evaluation cadence), so the schedule's
+  cool-down ends where the time does; the loop still stops at the budget, through the same path as the last step
+  (final evaluation, checkpoint), if a step overruns it. A resumed run keeps its live plan and the budget time
+  it had used.
 - train.init_from starts from existing weights (init_from.py): the model comes from where the weights come from,
   the source on a fresh start, the run's own checkpoints on resume (the source is then not read again).
 """
@@ -42,11 +44,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from scratchlm.config import RunConfig, load_config
+from scratchlm.config import RunConfig, TrainConfig, load_config
 from scratchlm.data.batches import BatchSampler
 from scratchlm.train import distributed
 from scratchlm.train.allocator import keep_freed_memory
-from scratchlm.train.budget import BudgetClock, plan_budget
+from scratchlm.train.budget import BudgetClock, LivePlan, plan_budget
 from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
 from scratchlm.train.loss import perplexity
@@ -105,6 +107,7 @@ class LoopState:
     window_loss_sum: float = 0.0  # losses of the steps since the last log record
     window_steps: int = 0
     grad_scaler: dict | None = None  # fp16's loss scale and its growth tracker (GradScaler.state_dict)
+    plan: dict | None = None  # a time budget's live plan (budget.LivePlan.to_dict), as re-planned so far
 
 
 class StopRequest:
@@ -259,7 +262,7 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
                                wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
     loop = _Loop(config, model, raw_model, optimizer, sampler, val_tokens, checkpoints, logger, state, device,
-                 world_size)
+                 world_size, quiet)
     try:
         with StopRequest() as stop:
             return loop.run(stop)
@@ -304,7 +307,7 @@ class _Loop:
 
     def __init__(self, config: RunConfig, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: BatchSampler, val_tokens: np.ndarray | None, checkpoints, logger: MetricsLogger | None,
-                 state: LoopState, device: torch.device, world_size: int) -> None:
+                 state: LoopState, device: torch.device, world_size: int, quiet: bool = True) -> None:
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
         self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
         self.state, self.device, self.world_size = state, device, world_size
@@ -315,6 +318,10 @@ class _Loop:
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = model_step_flops(config) if self.peak_flops else None
         self.budget = BudgetClock(config, used=state.budget_used)
+        self.quiet = quiet or logger is None
+        self.live = LivePlan.start(config, state.plan) if config.train.budget_seconds is not None else None
+        if self.live is not None:
+            self.config = self.live.applied(config)
         self.scaler = grad_scaler(config.train.dtype, device)
         if self.scaler is not None and state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
@@ -330,8 +337,10 @@ class _Loop:
         self.paused = self.session_paused = 0.0  # eval/checkpoint/plot time, left out of tokens/s
         self.pause_start: float | None = None  # while evaluating or checkpointing
         status, message = "finished", ""
+        if self.live is not None:
+            self.live.begin_session(self.state.step, self.budget)
         while self.state.step < cfg.max_steps:
-            lr = learning_rate(self.state.step, self.config)
+            lr = learning_rate(self.state.step, self.config, self.live and self.live.replanned())
             batches = list(_batches(self.sampler, cfg.grad_accum_steps))
             loss, grad_norm = train_step(self.model, self.optimizer, batches, lr=lr,
                                          grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype, scaler=self.scaler)
@@ -357,6 +366,8 @@ class _Loop:
                 break
             if log:
                 self._log_train(lr, grad_norm)
+                if self.live is not None and not final:
+                    cfg = self._replan(step)
             # A checkpoint records the val_loss of its own step only: best.json must not credit it with an older one.
             val_loss = self._paused(self._evaluate) if evaluate_now and self.val_tokens is not None else None
             if save:
@@ -369,6 +380,19 @@ class _Loop:
                            f"{cfg.max_steps}: the machine was slower than its probe")
                 break
         return self._finish(status, message)
+
+    def _replan(self, step: int) -> TrainConfig:
+        """Re-plan the rest of a budgeted run (budget.LivePlan) on rank 0, which every rank then follows; the
+        train section of the config it leaves in force."""
+        line = self.live.replan(step, self.budget, self.config) if self.logger is not None else None
+        if self.world_size > 1:
+            shared = [self.live.to_dict()]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.live = LivePlan(**shared[0])
+        self.config = self.live.applied(self.config)
+        if line and not self.quiet:
+            print(f"scratchlm train: {line}", file=sys.stderr, flush=True)
+        return self.config.train
 
     def _agreed(self, wanted: bool, log: bool) -> bool:
         """Stop now (a signal came, or the budget ran out)? Alone: as soon as it is wanted. Distributed: at a log
@@ -458,6 +482,7 @@ class _Loop:
         self.state.budget_used = self.budget.used()
         self.state.window_loss_sum = self.window_loss.item()
         self.state.grad_scaler = self.scaler.state_dict() if self.scaler is not None else None
+        self.state.plan = self.live.to_dict() if self.live is not None else None
         extra = {k: v for k, v in dataclasses.asdict(self.state).items() if k != "step"}
         self.checkpoints.save(self.state.step, model, optimizer, config=self.config.to_dict(),
                               sampler_state=self.sampler.state_dict(), extra=extra, val_loss=val_loss)
@@ -474,6 +499,8 @@ class _Loop:
         if self.logger is not None:
             self.logger.log({"kind": "end", "step": self.state.step, "status": status, "message": message})
             self._plot()
+        if self.live is not None and not self.quiet:
+            print(f"scratchlm train: {self.live.summary(self.state.step, self.budget)}", file=sys.stderr, flush=True)
         return TrainResult(status=status, final_step=self.state.step, train_loss=self.state.last_train_loss,
                            best_val_loss=self.state.best_val_loss,
                            tokens_per_s=trained / seconds if trained and seconds > 0 else None,
