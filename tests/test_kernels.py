@@ -213,8 +213,8 @@ def test_tuned_weight_is_used_only_without_autograd_for_its_dtype_and_while_curr
 
 
 def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeypatch):
-    layer, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
-    model = torch.nn.ModuleList([layer, half])
+    layer, half, double = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16), Linear(16, 24, dtype=torch.float64)
+    model = torch.nn.ModuleList([layer, half, double])
     monkeypatch.setattr(tuned_linear, "_chosen", {})
     timed = []
     speed = {"installed": 3.0, "column_major": 1.0, "packed": 2.0}
@@ -227,7 +227,8 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
     monkeypatch.setattr(tuned_linear, "_seconds_per_pass", fake_seconds)
     with tuned_weights(model, rows=8) as chosen:
         assert chosen == "column_major" and isinstance(layer.matmul, ColumnMajorLinear)
-        assert isinstance(half.matmul, ColumnMajorLinear)  # every CPU Linear, whatever its dtype
+        assert isinstance(half.matmul, ColumnMajorLinear)  # bf16 too (a float32 copy)
+        assert double.matmul is linear  # a float32 copy would lose precision
         outer = layer.matmul
         with tuned_weights(model, rows=8):
             assert layer.matmul is outer  # the inner block leaves the outer block's copies
@@ -236,8 +237,7 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
     assert sorted(timed) == sorted(tuned_linear.strategies())
     with tuned_weights(model, rows=8) as chosen:  # remembered: not timed again
         assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies())
-    monkeypatch.setattr(packed_linear, "MAX_PACKED_BYTES", layer.weight.nbytes)
-    monkeypatch.setattr(tuned_linear, "MAX_PACKED_BYTES", layer.weight.nbytes)
+    monkeypatch.setattr(tuned_linear, "MAX_COPY_BYTES", layer.weight.nbytes)
     with tuned_weights(model, rows=8) as chosen:  # weights too large to copy
         assert chosen == "installed" and layer.matmul is linear
     with pytest.raises(ValueError, match="unknown matmul strategy 'fast'"), tuned_weights(model, 8, strategy="fast"):

@@ -5,7 +5,7 @@ step of a batch (one row per sequence through every weight matrix). MKL runs suc
 the cores' peak, while oneDNN's JIT kernels, given the weight reordered once into their blocked layout, ran
 them faster from 3 rows up on the CPUs timed (1 or 2 rows were faster unpacked). Figures: docs/benchmarks.md
 (bench_generate). Whether it wins is decided by timing (tuned_linear.py `tuned_weights`, which packs only up
-to `MAX_PACKED_BYTES` of weights, as the reorder copies each weight, and drops the packs on exit).
+to its `MAX_COPY_BYTES` of weights, as the reorder copies each weight, and drops the packs on exit).
 
 The ops are private ones, the ones torch.compile's CPU backend emits (`torch.ops.mkldnn._reorder_linear_weight`,
 `_linear_pointwise`): they are called from `available`, `PackedLinear` only. Where this torch lacks them or they
@@ -19,9 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-# Packing copies the weights: models whose Linear weights pass this size (gpt2-medium and up: 1.4 GB and more in
-# float32) decode unpacked rather than double their memory for the length of a generate() call.
-MAX_PACKED_BYTES = 2**30
 _TUNED_BATCH = 8  # the batch size the packed layout is tuned for
 
 
@@ -45,7 +42,8 @@ class PackedLinear:
     A bf16 (or fp16) weight is packed as its float32 copy and its inputs are upcast, the product rounded back to
     their dtype: the same product as a bf16 matmul (which accumulates in float32 and rounds once), and on CPUs
     without bf16 matrix instructions (AVX512-BF16, AMX) several times faster for a few rows than torch's bf16
-    kernels, which then emulate bf16 (tuned_linear.py decides by timing whether it wins)."""
+    kernels, which then emulate bf16 (tuned_linear.py decides by timing whether it wins). float32 weights only
+    otherwise: a float64 one would lose precision."""
 
     def __init__(self, weight: torch.Tensor, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.version, self.dtype = weight._version, weight.dtype
