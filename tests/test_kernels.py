@@ -11,12 +11,13 @@ from torch.testing import assert_close
 
 from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.model.attention import causal_attention, rotate_pairs, scaled_dot_product_attention
-from scratchlm.model.kernels import chunked_attention, packed_linear
+from scratchlm.model.kernels import chunked_attention, packed_linear, tuned_linear
 from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.packed_linear import PackedLinear, packed_weights
+from scratchlm.model.kernels.packed_linear import PackedLinear
+from scratchlm.model.kernels.tuned_linear import ColumnMajorLinear, tuned_weights
 from scratchlm.model.layers import Linear, linear
 
 CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention}
@@ -150,30 +151,42 @@ def test_few_rows_linear_on_another_device_is_x_wt():
     assert few_rows_linear(x, weight).shape == (1, 4)
 
 
-@needs_onednn
+STRATEGY_TYPES = {"column_major": ColumnMajorLinear, "packed": PackedLinear}
+needs_strategy = {"column_major": [], "packed": [needs_onednn]}
+STRATEGIES = [pytest.param(name, marks=needs_strategy[name]) for name in STRATEGY_TYPES]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [(3,), (8,), (2, 5), (4, 1, 16), (1,), (0,)])
 @pytest.mark.parametrize("d_in, d_out", [(24, 40), (40, 24)])
-def test_packed_linear_equals_x_wt_in_inference(rows, d_in, d_out):
-    layer, x = Linear(d_in, d_out), torch.randn(*rows, d_in)
-    with packed_weights(layer, rows=8), torch.inference_mode():
-        assert isinstance(layer.matmul, PackedLinear)
-        assert_close(layer(x), linear(x, layer.weight))
+def test_tuned_linear_equals_x_wt_in_inference(strategy, dtype, rows, d_in, d_out):
+    """Each strategy computes x Wᵀ; bf16 packed weights (float32 copies) round the float32 product once, as a
+    bf16 matmul does."""
+    layer, x = Linear(d_in, d_out, dtype=dtype), torch.randn(*rows, d_in).to(dtype)
+    with tuned_weights(layer, rows=8, strategy=strategy), torch.inference_mode():
+        assert isinstance(layer.matmul, STRATEGY_TYPES[strategy])
+        got = layer(x)
+        assert got.dtype == dtype
+        assert_close(got, linear(x, layer.weight), **TOLERANCE[dtype])
+        if dtype == torch.bfloat16:  # the float32 product rounded once: what a float32 matmul rounds to
+            assert_close(got, linear(x.float(), layer.weight.float()).to(dtype), rtol=0, atol=0)
     assert layer.matmul is linear
 
 
-@needs_onednn
-def test_packed_linear_keeps_the_bias():
-    """The bias is added outside `matmul`, so packing (which replaces `matmul`) cannot drop it."""
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tuned_linear_keeps_the_bias(strategy):
+    """The bias is added outside `matmul`, so a strategy (which replaces `matmul`) cannot drop it."""
     layer, x = Linear(24, 40, bias=True), torch.randn(8, 24)
     layer.bias.data.normal_()
-    with packed_weights(layer, rows=8), torch.inference_mode():
-        assert isinstance(layer.matmul, PackedLinear)
+    with tuned_weights(layer, rows=8, strategy=strategy), torch.inference_mode():
+        assert isinstance(layer.matmul, STRATEGY_TYPES[strategy])
         assert_close(layer(x), linear(x, layer.weight) + layer.bias)
 
 
-@needs_onednn
-def test_packed_weight_is_used_only_where_it_helps_and_while_current():
-    """>= 3 float32 rows, no autograd, the weight unchanged since packing; otherwise the fallback, exactly."""
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tuned_weight_is_used_only_without_autograd_for_its_dtype_and_while_current(strategy):
+    """No autograd, the weight's dtype, the weight unchanged since the copy; otherwise the fallback, exactly."""
     layer = Linear(16, 24)
     fallback_rows = []
 
@@ -182,46 +195,58 @@ def test_packed_weight_is_used_only_where_it_helps_and_while_current():
         return linear(x, weight)
 
     layer.matmul = counting_fallback
-    with packed_weights(layer, rows=8):
+    with tuned_weights(layer, rows=8, strategy=strategy):
         with torch.no_grad():
             for rows in (1, 2, 3):
                 layer(torch.randn(rows, 16))
-        assert fallback_rows == [(1,), (2,)]
+            layer.matmul(torch.randn(3, 16, dtype=torch.float64), layer.weight.double())  # another dtype
+        assert fallback_rows == [(3,)]
         x = torch.randn(8, 16, requires_grad=True)
         layer(x).sum().backward()  # training: the fallback, with its gradients
         assert fallback_rows[-1] == (8,) and x.grad is not None
         with torch.no_grad():
-            layer.weight.mul_(2)  # an in-place change makes the pack stale
+            layer.weight.mul_(2)  # an in-place change makes the copy stale
             x = torch.randn(8, 16)
             assert torch.equal(layer(x), linear(x, layer.weight))
-        assert fallback_rows[-1] == (8,) and len(fallback_rows) == 4
+        assert fallback_rows[-1] == (8,) and len(fallback_rows) == 3
     assert layer.matmul is counting_fallback
 
 
-@needs_onednn
-def test_packing_is_skipped_where_it_does_not_pay_and_nests(monkeypatch):
-    layer, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
-    model = torch.nn.ModuleList([layer, half])
-    with packed_weights(model, rows=2):  # 1-2 rows are faster unpacked
-        assert layer.matmul is linear
-    monkeypatch.setattr(packed_linear, "MAX_PACKED_BYTES", layer.weight.nbytes - 1)
-    with packed_weights(model, rows=8):  # weights too large to copy
-        assert layer.matmul is linear
-    monkeypatch.undo()
-    with packed_weights(model, rows=8):
-        assert isinstance(layer.matmul, PackedLinear) and half.matmul is linear
+def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeypatch):
+    layer, half, double = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16), Linear(16, 24, dtype=torch.float64)
+    model = torch.nn.ModuleList([layer, half, double])
+    monkeypatch.setattr(tuned_linear, "_chosen", {})
+    timed = []
+    speed = {"installed": 3.0, "column_major": 1.0, "packed": 2.0}
+
+    def fake_seconds(layers, matmuls, rows):
+        name = {ColumnMajorLinear: "column_major", PackedLinear: "packed"}.get(type(matmuls[0]), "installed")
+        timed.append(name)
+        return speed[name]
+
+    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", fake_seconds)
+    with tuned_weights(model, rows=8) as chosen:
+        assert chosen == "column_major" and isinstance(layer.matmul, ColumnMajorLinear)
+        assert isinstance(half.matmul, ColumnMajorLinear)  # bf16 too (a float32 copy)
+        assert double.matmul is linear  # a float32 copy would lose precision
         outer = layer.matmul
-        with packed_weights(model, rows=8):
-            assert layer.matmul is outer
-        assert layer.matmul is outer  # the inner block leaves the outer block's packs
-    assert layer.matmul is linear
+        with tuned_weights(model, rows=8):
+            assert layer.matmul is outer  # the inner block leaves the outer block's copies
+        assert layer.matmul is outer
+    assert layer.matmul is linear and half.matmul is linear
+    assert sorted(timed) == sorted(tuned_linear.strategies())
+    with tuned_weights(model, rows=8) as chosen:  # remembered: not timed again
+        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies())
+    monkeypatch.setattr(tuned_linear, "MAX_COPY_BYTES", layer.weight.nbytes)
+    with tuned_weights(model, rows=8) as chosen:  # weights too large to copy
+        assert chosen == "installed" and layer.matmul is linear
+    with pytest.raises(ValueError, match="unknown matmul strategy 'fast'"), tuned_weights(model, 8, strategy="fast"):
+        pass
 
 
 def test_without_onednn_nothing_is_packed(monkeypatch):
     monkeypatch.setattr(packed_linear, "available", lambda: False)
-    layer = Linear(16, 24)
-    with packed_weights(layer, rows=8):
-        assert layer.matmul is linear
+    assert "packed" not in tuned_linear.strategies()
 
 
 # ---- the whole model -------------------------------------------------------------------------------------------
@@ -259,16 +284,17 @@ def test_model_with_kernels_equals_readable_model_logits_and_parameter_gradients
         assert_close(got.grad, want.grad, **tolerance, msg=name)
 
 
+@pytest.mark.parametrize("strategy", ["installed", *STRATEGIES])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("overrides", [{}, MQA_BIAS_HEAD_DIM, GQA_LLAMA3])
-def test_model_with_kernels_decodes_like_the_readable_model(fused, overrides):
+def test_model_with_kernels_decodes_like_the_readable_model(strategy, fused, overrides):
     readable, fast = _pair(fused=fused, **overrides)
     ids = torch.randint(0, readable.config.vocab_size, (4, 12))
     mask = _left_padding(4, 5, [0, 1, 3, 4])
     logits = []
     for model in (readable, fast):
         cache = KVCache.for_model(model, batch_size=4)
-        with torch.inference_mode(), packed_weights(model, rows=4):
+        with torch.inference_mode(), tuned_weights(model, rows=4, strategy=strategy):
             steps = [model(ids[:, :5], attention_mask=mask, kv_cache=cache)]
             steps += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(5, 12)]
         logits.append(torch.cat(steps, dim=1))
@@ -292,7 +318,8 @@ def test_decoding_switches_kernels_on_for_its_block_and_keeps_the_callers_choice
     readable, fused = _pair(fused=True)
     with kernels.decoding(readable, rows=1):
         assert readable.layers[0].attn.attention_core is chunked_causal_attention
-        assert readable.lm_head.matmul is few_rows_linear
+        matmul = readable.lm_head.matmul  # few_rows_linear, or a tuned copy over it (tuned_linear.py)
+        assert matmul is few_rows_linear or matmul.fallback is few_rows_linear
     assert readable.layers[0].attn.attention_core is causal_attention and readable.lm_head.matmul is linear
     with kernels.decoding(fused, rows=1):
         assert fused.layers[0].attn.attention_core is fused_causal_attention

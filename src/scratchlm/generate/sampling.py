@@ -21,8 +21,9 @@ Design:
   The uncached loop (`use_cache=False`, the benchmark's baseline and the tests' oracle) recomputes exactly the
   same windows, so cached and uncached greedy decoding agree even beyond the context.
 - Speed: decoding runs under `kernels.decoding(model, rows)` (model/kernels/): the model's fastest paths for its
-  device, and on CPU in float32 for a batch of >= 3 prompts oneDNN-packed copies of the weights (MKL's few-row
-  matmuls are the slow part there). They are switched on when decoding starts and off when it ends (or when the
+  device, and on CPU the way of multiplying the batch's rows by the weights that was timed fastest on this
+  machine (model/kernels/tuned_linear.py: as installed, a column-major copy, or oneDNN-packed copies; bf16 weights
+  through float32 copies where that wins). They are switched on when decoding starts and off when it ends (or when the
   caller drops the stream); kernels the caller applied to the model stay.
 - Each row stops at `eos_id` (not included in its output) or after `max_new_tokens`; the loop ends when every
   row has stopped. `seed` makes sampling reproducible through a private `torch.Generator`.

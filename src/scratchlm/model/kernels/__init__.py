@@ -10,7 +10,8 @@ readable path (values and gradients) in tests/test_kernels.py:
 | fused_attention   | `MultiHeadSelfAttention.attention_core`          | CUDA (torch's fused SDPA); opt-in on CPU  |
 | complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
-| packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, float32, >= 3 rows       |
+| packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, a few rows (by timing)   |
+| tuned_linear      | `Linear.matmul`, within `decoding`               | CPU: times the strategies, keeps the best |
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
 the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks
@@ -32,7 +33,7 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.packed_linear import packed_weights
+from scratchlm.model.kernels.tuned_linear import tuned_weights
 from scratchlm.model.layers import Linear, linear
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
@@ -72,13 +73,14 @@ def readable(model: nn.Module) -> nn.Module:
 @contextmanager
 def decoding(model: nn.Module, rows: int) -> Iterator[None]:
     """What generate() decodes `rows` sequences under: `apply`'s choices for the model's device on each module
-    still on the readable path (kernels the caller applied stay), plus oneDNN-packed weights for batches of
-    >= 3 rows on CPU (packed_linear.py). Every module gets its previous implementation back on exit."""
+    still on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows`
+    rows by the Linear weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
+    oneDNN-packed weights). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     _install(model, choices(_device_of(model)), only_readable=True)
     try:
-        with packed_weights(model, rows):
+        with tuned_weights(model, rows):
             yield
     finally:
         for module, attribute, implementation in saved:
