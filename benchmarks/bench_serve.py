@@ -18,9 +18,10 @@ decodes every active request.
 The rival (`--rival transformers`, issue 24's target: ours >= 1.5x its total tokens/s at a p95 latency no worse):
 `scratchlm export hf` writes the same run as a transformers folder (LlamaForCausalLM), and `transformers serve
 FOLDER` (offline, on the CPU) serves it after ours has run, on the same loads, with the same request bodies to the
-same /v1/completions. By default it runs with its continuous batching (`--continuous-batching`) and a paged KV cache
-sized to the load (`--cb-num-blocks`: twice what the largest load's requests hold at once; left to itself on a CPU
-it zero-fills 60% of the machine's RAM, 14 GB here); `--rival-arg` replaces both. The protocol:
+same /v1/completions. By default it runs as it does by itself: one `generate()` at a time, which on a CPU was
+several times faster than its continuous batching in smoke runs; `--rival-arg=--continuous-batching` turns that
+on, with a paged KV cache sized to the load (`--cb-num-blocks`, unless given: twice what the largest load's
+requests hold at once; left to itself on a CPU it zero-fills 60% of the machine's RAM, 14 GB here). The protocol:
 - both servers get the same torch thread count (OMP_NUM_THREADS = --threads, default torch's choice here, which
   is what each would pick by itself) and their output goes to log files, not the terminal;
 - the same prompt text, the same max_tokens, temperature 1, top_p 1, no top-k, the same seed per request (ours
@@ -291,10 +292,9 @@ def main() -> None:
     parser.add_argument("--rival-python", default=sys.executable,
                         help="interpreter that runs `transformers serve` (default: this one; it needs "
                              "transformers[serving])")
-    parser.add_argument("--rival-arg", action="append", default=None,
-                        help="`transformers serve` argument, replacing the default --continuous-batching "
-                             "--cb-num-blocks N (sized to the loads); --rival-arg=--no-continuous-batching for its "
-                             "sequential generate()")
+    parser.add_argument("--rival-arg", action="append", default=[],
+                        help="extra `transformers serve` argument, e.g. --rival-arg=--continuous-batching (then "
+                             "with --cb-num-blocks sized to the loads unless given)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     preset = args.preset or ("tiny" if args.quick else "tinystories-17m")
@@ -304,8 +304,9 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     # Each request holds prompt + max_tokens positions; twice the largest load's worth leaves the scheduler room.
     cache_blocks = 2 * max(clients) * -(-(len(PROMPT.encode()) + max_tokens) // CB_PAGE_TOKENS)
-    rival_args = args.rival_arg if args.rival_arg is not None else [
-        "--continuous-batching", "--cb-num-blocks", str(cache_blocks)]
+    rival_args = args.rival_arg or []
+    if "--continuous-batching" in rival_args and not any(a.startswith("--cb-num-blocks") for a in rival_args):
+        rival_args = [*rival_args, "--cb-num-blocks", str(cache_blocks)]
     rival_versions = check_rival_python(args.rival_python) if args.rival else None
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -328,7 +329,8 @@ def main() -> None:
     prompt_tokens = sorted({n for r in ours + theirs for n in r["prompt_tokens"]})
     print(f"bench_serve: {preset}, {max_tokens} tokens per request, prompt {prompt_tokens} tokens, "
           f"{threads} torch threads, scratchlm serve exit code {code}"
-          + (f"; transformers serve {' '.join(rival_args)} ({rival_versions}) exit code {rival_code}"
+          + (f"; transformers serve {' '.join(rival_args) or '(its defaults)'} ({rival_versions}) exit code "
+             f"{rival_code}"
              if args.rival else ""))
     print_table([("scratchlm", r) for r in ours] + [("transformers", r) for r in theirs])
     print_scaling("scratchlm", ours)
