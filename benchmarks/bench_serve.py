@@ -1,16 +1,41 @@
-"""Load on `scratchlm serve`: N concurrent clients x M requests each, on loopback, against a real server process.
+"""Load on `scratchlm serve`: N concurrent clients x M requests each, on loopback, against a real server process;
+with `--rival transformers`, the same loads on Hugging Face's `transformers serve` of the same model, side by side.
 
     .venv/bin/python benchmarks/bench_serve.py                 # tinystories-17m (random), 1 and 8 clients x 8
     .venv/bin/python benchmarks/bench_serve.py --quick         # the tiny preset, 1 and 2 clients x 2 (a smoke run)
     .venv/bin/python benchmarks/bench_serve.py --clients 1 4 16 --requests 4 --max-tokens 128 --json out.json
+    .venv/bin/python benchmarks/bench_serve.py --rival transformers [--threads 1]   # ours vs transformers serve
 
 The server is `python -m scratchlm serve RUN` on a fresh run holding a random model (the preset's shape) and a
 byte-level tokenizer, started once for all loads. Each client sends its requests one after another (streamed,
 temperature 1, a different seed each), and every load stops by itself after N x M requests. Reported per load:
-p50/p95 request latency and time to first token, total completion tokens/s, the error count (the target is 0)
-and the server's RSS: its peak, and its growth from after the warm-up to the end (bounded: the batch's caches
-are freed as requests leave). Target (issue 24): 8 clients >= 4x the total tokens/s of 1 client, which is what
-continuous batching buys: one forward pass decodes every active request.
+p50/p95 request latency and time to the first chunk with text, total completion tokens/s, the mean completion
+tokens of a request, the error count (the target is 0) and the server's RSS: its peak, and its growth from after
+the warm-up to the end (bounded: the batch's caches are freed as requests leave). Target (issue 24): 8 clients
+>= 4x the total tokens/s of 1 client, which is what continuous batching buys: one forward pass
+decodes every active request.
+
+The rival (`--rival transformers`, issue 24's target: ours >= 1.5x its total tokens/s at a p95 latency no worse):
+`scratchlm export hf` writes the same run as a transformers folder (LlamaForCausalLM), and `transformers serve
+FOLDER` (offline, on the CPU) serves it after ours has run, on the same loads, with the same request bodies to the
+same /v1/completions. By default it runs as it does by itself: one `generate()` at a time, which on a CPU was
+several times faster than its continuous batching in smoke runs; `--rival-arg=--continuous-batching` turns that
+on, with a paged KV cache sized to the load (`--cb-num-blocks`, unless given: twice what the largest load's
+requests hold at once; left to itself on a CPU it zero-fills 60% of the machine's RAM, 14 GB here). The protocol:
+- both servers get the same torch thread count (OMP_NUM_THREADS = --threads, default torch's choice here, which
+  is what each would pick by itself) and their output goes to log files, not the terminal;
+- the same prompt text, the same max_tokens, temperature 1, top_p 1, no top-k, the same seed per request (ours
+  seeds the request's own generator, transformers seeds torch's global one). Neither server can be told to ignore
+  the end of text (no ignore_eos / min_tokens in either), so a request may end early, at the same rate on both:
+  tokens/s counts the completion tokens each server reports (usage.completion_tokens), and the table shows their
+  mean per request;
+- ours samples only the tokenizer's ids (a padded model vocabulary has ids without text); transformers samples
+  every id of the model's vocabulary unless told, so the benchmark's copy of the export gets a
+  generation_config.json with suppress_tokens = the ids past the tokenizer's, do_sample = true (without it
+  transformers decodes greedily whatever the request's temperature) and top_k = 0 (its default is 50): the same
+  distribution on both.
+transformers serve needs `transformers[serving]` (accelerate, which transformers itself does not pull, is the one
+piece the [hf,serve,test] extras lack: the [bench] extra has it); --rival-python runs it from another environment.
 """
 
 from __future__ import annotations
@@ -38,6 +63,8 @@ from scratchlm.tokenizer import Tokenizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
+CB_PAGE_TOKENS = 256  # transformers' ContinuousBatchingConfig.page_size default
+TOKENIZER_VOCAB = 257  # 256 bytes + <|endoftext|>
 
 
 def write_random_run(preset: str, folder: Path) -> Path:
@@ -51,21 +78,58 @@ def write_random_run(preset: str, folder: Path) -> Path:
     return folder / "run"
 
 
-def start_server(run: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(run), "--port", str(port),
-                                "--log-level", "warning", *extra], env=env)
+def export_for_transformers(run: Path, out: Path, env: dict[str, str]) -> Path:
+    """`scratchlm export hf` of the run, plus the generation_config.json that makes transformers sample as ours does
+    (see the protocol above): do_sample, no top-k, and only the tokenizer's ids."""
+    subprocess.run([sys.executable, "-m", "scratchlm", "export", "hf", "--checkpoint", str(run), "--out", str(out)],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    config = json.loads((out / "config.json").read_text())
+    path = out / "generation_config.json"
+    settings = json.loads(path.read_text()) if path.exists() else {
+        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    settings.update(do_sample=True, top_k=0, suppress_tokens=list(range(TOKENIZER_VOCAB, config["vocab_size"])))
+    path.write_text(json.dumps(settings))
+    return out
+
+
+def check_rival_python(python: str) -> str:
+    """The transformers and torch versions `python` serves with; exits with one line when it cannot serve."""
+    probe = subprocess.run([python, "-c", "import accelerate, fastapi, uvicorn, openai, torch, transformers; "
+                                          "print(transformers.__version__, torch.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"--rival transformers: {python} cannot run `transformers serve` ({last}): install "
+                         f"'transformers[serving]' there (the [bench] extra), or pass --rival-python with "
+                         f"an interpreter that has it")
+    transformers_version, torch_version = probe.stdout.split()
+    return f"transformers {transformers_version}, torch {torch_version}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(command: list[str], env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}")
+            raise SystemExit(f"{command[:4]} exited with {process.returncode}; its log:\n{tail(log)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
         except httpx.TransportError:
             time.sleep(0.2)
     process.kill()
-    raise SystemExit("the server did not come up within 300 s")
+    raise SystemExit(f"{command[:4]} did not come up within 300 s; its log:\n{tail(log)}")
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 class RSSSampler:
@@ -93,13 +157,14 @@ class RSSSampler:
         self._thread.join()
 
 
-def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tuple[float, float, int]:
-    """(latency s, time to first token s, completion tokens) of one streamed request; raises on any error."""
+def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tuple[float, float, int, int]:
+    """(latency s, time to first token s, completion tokens, prompt tokens) of one streamed request; raises on any
+    error. The body is valid for both servers (transformers serve ignores stream_options and always sends usage)."""
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
-    tokens = None
+    usage = None
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:200]}")
@@ -108,18 +173,19 @@ def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> t
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if first is None and event["choices"]:
+                error = event["error"]
+                raise RuntimeError(error["message"] if isinstance(error, dict) else error)
+            if first is None and any(choice.get("text") for choice in event.get("choices") or []):
                 first = time.perf_counter() - started
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    if tokens is None:
+                usage = event["usage"]
+    if usage is None:
         raise RuntimeError("the stream ended without its usage chunk")
-    return time.perf_counter() - started, first or 0.0, tokens
+    return time.perf_counter() - started, first or 0.0, usage["completion_tokens"], usage["prompt_tokens"]
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler) -> dict:
-    latencies, firsts, tokens, errors = [], [], [], []
+    latencies, firsts, tokens, prompt_tokens, errors = [], [], [], set(), []
     lock = threading.Lock()
 
     def client_loop(client_index: int) -> None:
@@ -135,6 +201,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
                     latencies.append(result[0])
                     firsts.append(result[1])
                     tokens.append(result[2])
+                    prompt_tokens.add(result[3])
 
     rss.reset()
     start_rss = rss.now()
@@ -153,10 +220,60 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
 
     return {"clients": clients, "requests": clients * requests, "seconds": seconds,
             "tokens": sum(tokens), "tokens_per_s": sum(tokens) / seconds,
+            "tokens_per_request": sum(tokens) / len(tokens) if tokens else float("nan"),
+            "prompt_tokens": sorted(prompt_tokens),
             "p50_s": quantile(latencies, 50), "p95_s": quantile(latencies, 95),
             "ttft_p50_s": quantile(firsts, 50), "ttft_p95_s": quantile(firsts, 95),
             "errors": len(errors), "error_examples": errors[:3],
             "peak_rss_mb": rss.peak / 2**20, "rss_growth_mb": (rss.now() - start_rss) / 2**20}
+
+
+def measure(command: list[str], env: dict[str, str], port: int, log: Path, clients: list[int], requests: int,
+            max_tokens: int) -> tuple[list[dict], int]:
+    """Start one server, warm it up, run every load on it, stop it: (one result per load, its exit code)."""
+    server = start_server(command, env, port, log)
+    url = f"http://127.0.0.1:{port}"
+    rss = RSSSampler(server.pid)
+    try:
+        load(url, 1, 2, max_tokens, rss)  # warm-up: first allocations, kernels, the event loop
+        results = [load(url, n, requests, max_tokens, rss) for n in clients]
+    finally:
+        rss.close()
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = server.wait()
+    return results, code
+
+
+def print_table(rows: list[tuple[str, dict]]) -> None:
+    print(f"{'server':>12} {'clients':>7} {'requests':>8} {'tokens/s':>9} {'tok/req':>7} {'p50 s':>7} {'p95 s':>7} "
+          f"{'ttft p50':>8} {'ttft p95':>8} {'errors':>6} {'peak RSS MB':>11} {'RSS growth MB':>13}")
+    for name, r in rows:
+        print(f"{name:>12} {r['clients']:>7} {r['requests']:>8} {r['tokens_per_s']:>9.1f} "
+              f"{r['tokens_per_request']:>7.1f} {r['p50_s']:>7.3f} {r['p95_s']:>7.3f} {r['ttft_p50_s']:>8.3f} "
+              f"{r['ttft_p95_s']:>8.3f} {r['errors']:>6} {r['peak_rss_mb']:>11.1f} {r['rss_growth_mb']:>13.1f}")
+        for example in r["error_examples"]:
+            print(f"        error: {example}")
+
+
+def print_scaling(name: str, results: list[dict]) -> None:
+    single = next((r for r in results if r["clients"] == 1), None)
+    for r in results:
+        if single and single["tokens_per_s"] and r["clients"] > 1:
+            ratio = r["tokens_per_s"] / single["tokens_per_s"]
+            print(f"{name}: {r['clients']} clients / 1 client, total tokens/s: {ratio:.2f}x"
+                  + (" (target >= 4x)" if r["clients"] == 8 and name == "scratchlm" else ""))
+
+
+def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        ratio = a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else float("nan")
+        verdict = "no worse" if a["p95_s"] <= b["p95_s"] else "worse"
+        print(f"{a['clients']} clients: ours / transformers serve tokens/s {ratio:.2f}x (target >= 1.5x); p95 "
+              f"{a['p95_s']:.3f} s vs {b['p95_s']:.3f} s ({verdict}; target: no worse)")
 
 
 def main() -> None:
@@ -166,48 +283,66 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="loads to run (default: 1 8)")
     parser.add_argument("--requests", type=int, default=None, help="requests per client (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: 128; --quick: 16)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads of every server, as OMP_NUM_THREADS (default: torch's choice "
+                             f"here, {torch.get_num_threads()})")
     parser.add_argument("--server-arg", action="append", default=[], help="extra `scratchlm serve` argument")
+    parser.add_argument("--rival", choices=["transformers"], default=None,
+                        help="also run `transformers serve` on the same model and loads, and compare")
+    parser.add_argument("--rival-python", default=sys.executable,
+                        help="interpreter that runs `transformers serve` (default: this one; it needs "
+                             "transformers[serving])")
+    parser.add_argument("--rival-arg", action="append", default=[],
+                        help="extra `transformers serve` argument, e.g. --rival-arg=--continuous-batching (then "
+                             "with --cb-num-blocks sized to the loads unless given)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     preset = args.preset or ("tiny" if args.quick else "tinystories-17m")
     clients = args.clients or ([1, 2] if args.quick else [1, 8])
     requests = args.requests or (2 if args.quick else 8)
     max_tokens = args.max_tokens or (16 if args.quick else 128)
+    threads = args.threads or torch.get_num_threads()
+    # Each request holds prompt + max_tokens positions; twice the largest load's worth leaves the scheduler room.
+    cache_blocks = 2 * max(clients) * -(-(len(PROMPT.encode()) + max_tokens) // CB_PAGE_TOKENS)
+    rival_args = args.rival_arg or []
+    if "--continuous-batching" in rival_args and not any(a.startswith("--cb-num-blocks") for a in rival_args):
+        rival_args = [*rival_args, "--cb-num-blocks", str(cache_blocks)]
+    rival_versions = check_rival_python(args.rival_python) if args.rival else None
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder, socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
         run = write_random_run(preset, Path(folder))
-        server = start_server(run, port, args.server_arg)
-        url = f"http://127.0.0.1:{port}"
-        rss = RSSSampler(server.pid)
-        try:
-            load(url, 1, 2, max_tokens, rss)  # warm-up: first allocations, kernels, the event loop
-            results = [load(url, n, requests, max_tokens, rss) for n in clients]
-        finally:
-            rss.close()
-            server.send_signal(signal.SIGTERM)
-            code = server.wait(60)
-    print(f"bench_serve: {preset}, {max_tokens} tokens per request, prompt {len(PROMPT.encode())} tokens, "
-          f"server exit code {code}")
-    print(f"{'clients':>7} {'requests':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} {'ttft p50':>8} "
-          f"{'ttft p95':>8} {'errors':>6} {'peak RSS MB':>11} {'RSS growth MB':>13}")
-    for r in results:
-        print(f"{r['clients']:>7} {r['requests']:>8} {r['tokens_per_s']:>9.1f} {r['p50_s']:>7.3f} {r['p95_s']:>7.3f} "
-              f"{r['ttft_p50_s']:>8.3f} {r['ttft_p95_s']:>8.3f} {r['errors']:>6} {r['peak_rss_mb']:>11.1f} "
-              f"{r['rss_growth_mb']:>13.1f}")
-        for example in r["error_examples"]:
-            print(f"        error: {example}")
-    single = next((r for r in results if r["clients"] == 1), None)
-    for r in results:
-        if single and single["tokens_per_s"] and r["clients"] > 1:
-            ratio = r["tokens_per_s"] / single["tokens_per_s"]
-            print(f"{r['clients']} clients / 1 client, total tokens/s: {ratio:.2f}x"
-                  + (" (target >= 4x)" if r["clients"] == 8 else ""))
+        port = free_port()
+        ours, code = measure([sys.executable, "-m", "scratchlm", "serve", str(run), "--port", str(port),
+                              "--log-level", "warning", *args.server_arg],
+                             env, port, Path(folder) / "scratchlm.log", clients, requests, max_tokens)
+        theirs, rival_code = [], 0
+        if args.rival:
+            model = export_for_transformers(run, Path(folder) / "hf", env)
+            port = free_port()
+            theirs, rival_code = measure([args.rival_python, "-m", "transformers.cli.transformers", "serve",
+                                          str(model), "--port", str(port), "--host", "127.0.0.1", "--device",
+                                          "cpu", "--log-level", "error", *rival_args],
+                                         env, port, Path(folder) / "transformers.log", clients, requests,
+                                         max_tokens)
+    prompt_tokens = sorted({n for r in ours + theirs for n in r["prompt_tokens"]})
+    print(f"bench_serve: {preset}, {max_tokens} tokens per request, prompt {prompt_tokens} tokens, "
+          f"{threads} torch threads, scratchlm serve exit code {code}"
+          + (f"; transformers serve {' '.join(rival_args) or '(its defaults)'} ({rival_versions}) exit code "
+             f"{rival_code}"
+             if args.rival else ""))
+    print_table([("scratchlm", r) for r in ours] + [("transformers", r) for r in theirs])
+    print_scaling("scratchlm", ours)
+    if args.rival:
+        print_scaling("transformers", theirs)
+        print_comparison(ours, theirs)
     if args.json:
-        args.json.write_text(json.dumps({"preset": preset, "max_tokens": max_tokens, "results": results}, indent=2))
-    if any(r["errors"] for r in results) or code != 0:
+        args.json.write_text(json.dumps({"preset": preset, "max_tokens": max_tokens, "threads": threads,
+                                         "results": ours, "rival": args.rival, "rival_args": rival_args,
+                                         "rival_versions": rival_versions, "rival_results": theirs}, indent=2))
+    # uvicorn re-raises the SIGTERM it shut down on (transformers serve leaves it be): that is a clean stop too.
+    if any(r["errors"] for r in ours + theirs) or code != 0 or rival_code not in (0, -signal.SIGTERM):
         raise SystemExit(1)
 
 
