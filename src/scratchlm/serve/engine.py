@@ -183,8 +183,8 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        # Decoding for max_batch rows packs the weights (packed_linear.py) once for the server's life; a step with
-        # fewer rows than the packed product needs takes the unpacked kernels (each call checks its rows).
+        # The decoding matmuls are chosen once for the server's life, timed at max_batch rows (tuned_linear.py):
+        # the batch size a loaded server runs at, where the choice matters most.
         with torch.inference_mode(), kernels.decoding(self.model, self.max_batch):
             while True:
                 with self._wakeup:
