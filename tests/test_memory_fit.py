@@ -112,7 +112,9 @@ PEAK_RSS = textwrap.dedent("""
             train_step(model, optimizer, [(x, x)], lr=1e-3, grad_clip=1.0)
     steps(load_config(sys.argv[1]), 1)  # torch's one-time allocations (thread pools, kernels) come first
     config = load_config(sys.argv[1], sys.argv[2:])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # From the RSS now, not the peak so far: the warm-up's peak may stand above what is resident again.
+    with open("/proc/self/status") as status:
+        before = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))  # kB
     steps(config, 2)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # Linux: kB
     print(grown / training_memory(config, torch.device("cpu")).total)
