@@ -212,6 +212,7 @@ def test_generate(world, tmp_path, capsys, argv, message):
     (["--data", "{T}/val_b.tok"], "{T}/val_b.tok was encoded with tokenizer"),
     (["--data", "{T}/corpus.txt"], "{T}/corpus.txt is not a scratchlm token file"),
     (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),
+    (["--data", "{T}/val.tok", "--window", "8"], "--window is the model's window over --continuations"),
 ])
 def test_eval(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)
