@@ -263,5 +263,6 @@ SERVER=""
 
 stage "every request lm_eval --model local-completions logged, scored by scratchlm eval --continuations"
 compare lm-eval-serve --window $((CONTEXT - 1))
-echo "check_lm_eval: $(($(cat lm-eval-hf/passed) + $(cat lm-eval-serve/passed))) passed, 0 failed"  # the plain closing line CI counts tests by
+# the plain closing line CI counts tests by
+echo "check_lm_eval: $(($(cat lm-eval-hf/passed) + $(cat lm-eval-serve/passed))) passed, 0 failed"
 stage "OK"
