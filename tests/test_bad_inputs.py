@@ -229,6 +229,7 @@ def test_generate(world, tmp_path, capsys, argv, message):
      "--out {T}/continuations.jsonl is the input {T}/continuations.jsonl"),
     (["--continuations", "{T}/continuations.jsonl", "--out", "{T}/notes.txt"],
      "--out {T}/notes.txt exists: choose a new file"),
+    (["--data", "{T}/val.tok", "--window", "8"], "--window is the model's window over --continuations"),
 ])
 def test_eval(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["eval", "--checkpoint", "{T}/run", "--device", "cpu", *argv], message)

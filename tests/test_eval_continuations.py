@@ -190,6 +190,35 @@ def test_cli_prints_and_writes_the_library_scores(run, tmp_path, capsys):
     assert printed[-1] == f"3 continuations, {sum(s.is_greedy for s in expected)} greedy  ({source})"
 
 
+def test_cli_window_scores_what_a_shorter_model_window_reads(run, tmp_path, capsys):
+    """--window W: the model reads the last W tokens of context + continuation (lm_eval's local-completions)."""
+    from scratchlm.train.checkpoint import load_for_inference
+
+    model, config = load_for_inference(run)
+    tokenizer = Tokenizer.load(run / "tokenizer")
+    context = config.model.context_length
+    long = " ".join(["the cat sat on the mat"] * context)  # longer than the context: windows differ
+    source = tmp_path / "requests.jsonl"
+    source.write_text(json.dumps({"context": long, "continuation": " the dog"}) + "\n", encoding="utf-8")
+    context_ids, continuation_ids = encode_request(tokenizer, long, " the dog")
+    tokens = (context_ids + continuation_ids)[-(context - 1):]  # what the model reads with --window context - 2
+    with torch.no_grad():
+        scores = model(torch.tensor([tokens[:-1]]))[0].log_softmax(-1)[-len(continuation_ids):]
+    oracle = scores.gather(-1, torch.tensor(continuation_ids)[:, None]).sum().item()
+    results = {}
+    for window in (context - 2, context):
+        out = tmp_path / f"scores-{window}.jsonl"
+        assert cli_main(["eval", "--checkpoint", str(run), "--continuations", str(source), "--out", str(out),
+                         "--window", str(window), "--device", "cpu"]) == 0
+        results[window] = json.loads(out.read_text(encoding="utf-8"))["loglikelihood"]
+    assert results[context - 2] == pytest.approx(oracle, abs=1e-5)
+    assert abs(results[context] - results[context - 2]) > 1e-4  # the default reads two tokens more
+    for window in ("0", str(context + 1)):
+        assert cli_main(["eval", "--checkpoint", str(run), "--continuations", str(source), "--window", window]) != 0
+        assert f"--window must be in [1, {context}] (the model's context_length), got {window}" in \
+            capsys.readouterr().err
+
+
 def test_cli_refuses_out_without_continuations_and_both_inputs(run, tmp_path, capsys):
     source = tmp_path / "requests.jsonl"
     source.write_text('{"context": "a", "continuation": " b"}\n', encoding="utf-8")

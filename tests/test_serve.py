@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from scratchlm.generate.sampling import generate
+from scratchlm.model import TransformerLM
 from scratchlm.serve.engine import Sampling, Sequence
 from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, httpx, serving, tiny_model, wait_until_idle
 
@@ -122,6 +123,70 @@ def test_echo_with_logprobs_gives_the_prompts_log_likelihood(client, model):
     assert choice.logprobs.tokens == [_text([t]) for t in prompt]
     greedy = scores.argmax(-1).tolist()
     assert [max(top, key=top.get) for top in choice.logprobs.top_logprobs[1:]] == [_text([t]) for t in greedy]
+
+
+def _eos_after(prompt: list[int], seed: int = 1) -> TransformerLM:
+    """A tiny model whose greedy token after `prompt` is <|endoftext|>: its output row is the final hidden state
+    there, scaled up (every other position keeps its own likeliest token, mostly)."""
+    model = tiny_model(seed)
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+        handle.remove()
+        model.lm_head.weight[EOS] = seen[0][0, -1] * 100
+        assert model(torch.tensor([prompt]))[0, -1].argmax().item() == EOS
+    return model
+
+
+def test_lm_evals_loglikelihood_requests_read_every_continuation_token():
+    """lm-eval 0.4.13's local-completions, as lm_eval/models/openai_completions.py builds and reads it: a batch of
+    token-id prompts (context + continuation), echo, max_tokens 1, logprobs 1, temperature 0; the log-likelihood is
+    sum(token_logprobs[ctxlen:-1]) (the last entry being the sampled token) and the request is greedy when each of
+    those equals max(top_logprobs[i].values()). So a sampled <|endoftext|> must have its entry too."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (length,), generator=generator).tolist() for length in (9, 30, 2)]
+    model = _eos_after(prompts[0])
+    ctxlens = [4, 29, 1]
+    payload = {"model": MODEL_NAME, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+               "seed": 1234, "echo": True}
+    with serving(model) as (url, _):
+        response = httpx.post(f"{url}/v1/completions", json=payload, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    sampled = []  # the greedy token after each prompt
+    for prompt, ctxlen, choice in zip(prompts, ctxlens, choices):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(prompt) + 1
+        with torch.no_grad():
+            scores = model(torch.tensor([prompt]))[0, :, :257].log_softmax(-1)  # position i predicts token i + 1
+        wanted = torch.tensor(prompt[ctxlen:])
+        expected = scores[ctxlen - 1:-1].gather(-1, wanted[:, None])[:, 0]
+        greedy = bool((scores[ctxlen - 1:-1].argmax(-1) == wanted).all())
+        token_logprobs, top = logprobs["token_logprobs"][ctxlen:-1], logprobs["top_logprobs"][ctxlen:-1]
+        assert sum(token_logprobs) == pytest.approx(expected.sum().item(), rel=1e-6)  # sharp: ~-200 a token
+        assert all(t == max(alternatives.values()) for t, alternatives in zip(token_logprobs, top)) == greedy
+        sampled.append(scores[-1].argmax().item())
+        assert logprobs["tokens"][-1] == ("<|endoftext|>" if sampled[-1] == EOS else _text(sampled[-1:]))
+        assert logprobs["token_logprobs"][-1] == pytest.approx(scores[-1].max().item(), rel=1e-6, abs=1e-5)
+        assert choice["finish_reason"] == ("stop" if sampled[-1] == EOS else "length")
+        # the end of text is no part of the text
+        assert choice["text"] == _text(prompt + ([] if sampled[-1] == EOS else sampled[-1:]))
+    assert sampled[0] == EOS and any(token != EOS for token in sampled)  # both cases were asked
+
+
+def test_a_sampled_end_of_text_has_its_logprobs_entry_when_streaming_too():
+    prompt = list(b"Once upon")
+    with serving(_eos_after(prompt)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0,
+                                                logprobs=0, stream=True))
+        plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
+    tokens = [token for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+              for token in chunk.choices[0].logprobs.tokens]
+    assert tokens == ["<|endoftext|>"] and "".join(c.choices[0].text for c in chunks if c.choices) == ""
+    assert chunks[-1].choices[0].finish_reason == "stop" and plain.choices[0].logprobs is None
+    assert plain.choices[0].text == "" and plain.usage.completion_tokens == 0
 
 
 def test_sampled_tokens_carry_their_logprobs(client, model):

@@ -13,6 +13,8 @@ window here), which is what lets `batch_cache.compact` always make room. Results
 sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then `Finished`, or `Failed`
 (shutdown, or an error in a step).
 With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
+With `logprobs`, a sampled <|endoftext|> is a `Token` too (text '', with its log-probability) before `Finished`:
+every sampled token has its entry, as in OpenAI's logprobs, which lm-eval's log-likelihood relies on.
 
 The engine is free of HTTP: app.py adapts it to requests, and tests drive it directly.
 """
@@ -255,13 +257,15 @@ class Engine:
         wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
         scores = self._log_probs(logits[wanted]) if wanted else None
         for i, (row, token) in enumerate(zip(rows, tokens)):
-            if token == self.eos_id:  # end of text: not part of the completion
-                self._finish(row, "stop")
-                continue
-            row.generated += 1
             logprob = top = None
             if scores is not None and i in wanted:
                 logprob, top = self._token_scores(scores[wanted.index(i)], token, row.sampling.logprobs)
+            if token == self.eos_id:  # end of text: no part of the completion's text or token count, but with
+                if logprob is not None:  # logprobs it has its entry (lm-eval drops the last entry as the sampled one)
+                    row.sequence.emit(Token(token, "", logprob, top))
+                self._finish(row, "stop")
+                continue
+            row.generated += 1
             row.last = token
             row.sequence.emit(Token(token, row.text.add(token), logprob, top))
             if row.text.stopped:

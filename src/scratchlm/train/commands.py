@@ -83,6 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "log-likelihood and whether it is the greedy one")
     evaluate.add_argument("--out", type=Path, metavar="FILE.jsonl",
                           help="with --continuations: also write the scores, one JSON object a request")
+    evaluate.add_argument("--window", type=int, metavar="TOKENS",
+                          help="with --continuations: the model reads at most TOKENS tokens of context + "
+                               "continuation (default: its context_length, as lm_eval's hf model; lm_eval's "
+                               "local-completions against `scratchlm serve` reads context_length - 1)")
     evaluate.add_argument("--batches", type=int, help="evaluate only the first N batches (default: whole file)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
     evaluate.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
@@ -209,6 +213,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError("--batch-size and --batches must be positive")
     if args.out is not None and args.continuations is None:
         raise UserError("--out writes the scores of --continuations")
+    if args.window is not None and args.continuations is None:
+        raise UserError("--window is the model's window over --continuations")
     device = select_device(args.device)
     model, config = load_model_for_command(args, device=device)
     kernels.apply(model, device)  # the speed paths the trainer runs (model/kernels/), equal to the readable ones
@@ -250,6 +256,10 @@ def _eval_continuations(args: argparse.Namespace, model, config, device) -> int:
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
     from scratchlm.write_errors import naming
 
+    context = config.model.context_length
+    window = context if args.window is None else args.window
+    if not 1 <= window <= context:
+        raise UserError(f"--window must be in [1, {context}] (the model's context_length), got {window}")
     if args.out is not None:
         refuse_inputs(args.out, [args.continuations])
         if args.out.exists():  # it may be anyone's file: scores go to a new one
@@ -257,7 +267,7 @@ def _eval_continuations(args: argparse.Namespace, model, config, device) -> int:
     requests = read_requests(args.continuations)
     tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
     with torch.inference_mode():
-        scores = score_requests(model, tokenizer, requests, config.model.context_length, source=args.continuations,
+        scores = score_requests(model, tokenizer, requests, window, source=args.continuations,
                                 batch_size=args.batch_size, device=device)
     records = [{"line": request.line, "loglikelihood": score.loglikelihood, "is_greedy": score.is_greedy,
                 "tokens": score.tokens} for request, score in zip(requests, scores)]

@@ -15,7 +15,10 @@ its ``hf`` model type, so ``scratchlm eval --continuations`` on a run gives the 
 - Scoring (lm_eval's ``HFLM._loglikelihood_tokens``): the model reads the last ``context_length + 1`` tokens of
   context + continuation, less the last one (older context falls off the left); the continuation's tokens are
   scored at the last ``len(continuation)`` positions: the sum of their log-softmax values, and whether each is
-  the argmax of its position.
+  the argmax of its position. ``context_length`` may be less than the model's (``eval --window``): lm_eval's API
+  models (local-completions) keep the last ``max_length - 1`` tokens where the hf model keeps ``context_length +
+  1``, so against ``scratchlm serve`` with ``max_length = context + 1`` they score as ``context_length = context -
+  1`` does here.
 
 Requests are scored in batches, right-padded: under a causal mask a position never sees the padding after it,
 so a padded row's scored positions equal the unpadded ones.
