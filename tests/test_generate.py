@@ -64,10 +64,11 @@ def test_cached_logits_equal_full_recompute_at_every_step(request, which, length
     forced = torch.randint(0, 256, (len(prompts), steps))  # teacher-forced continuation
     for decoder in (cached, full):
         decoder.tokens[:, cached.prompt_width:] = forced
-    with torch.inference_mode():
+    forward = kernels.forward_step(model)
+    with torch.inference_mode(), kernels.decoding(model, len(prompts)) as step:  # the step generate() decodes with
         for column in range(cached.prompt_width, cached.prompt_width + steps):
-            got = cached.logits_before(column)
-            torch.testing.assert_close(got, full.logits_before(column), rtol=1e-4, atol=1e-4)
+            got = cached.logits_before(column, step)
+            torch.testing.assert_close(got, full.logits_before(column, forward), rtol=1e-4, atol=1e-4)
             assert cached.start == full.start and column - cached.start <= CONTEXT
             for row in range(len(prompts)):  # oracle: the row alone, its real tokens in the window, no cache
                 window = slice(cached.start, column)
@@ -391,10 +392,12 @@ def test_batched_decoding_with_each_matmul_strategy_matches_the_readable_model_a
     steps.close()  # a caller that stops early
     assert model.lm_head.matmul is linear  # the model is back on the readable path
     decoding, real = kernels.decoding, tuned_linear.tuned_weights
-    monkeypatch.setattr(kernels, "decoding", lambda m, rows: contextlib.nullcontext())  # the readable model
+    monkeypatch.setattr(kernels, "decoding",  # the readable model
+                        lambda m, rows: contextlib.nullcontext(kernels.forward_step(m)))
     want = generate(model, prompts, 2 * CONTEXT, temperature=0)
     monkeypatch.setattr(kernels, "decoding", decoding)
     for strategy in tuned_linear.strategies():
-        monkeypatch.setattr(kernels, "tuned_weights", lambda m, rows, s=strategy: real(m, rows, strategy=s))
+        monkeypatch.setattr(kernels, "tuned_weights",
+                            lambda m, rows, one_pass=None, s=strategy: real(m, rows, strategy=s))
         assert generate(model, prompts, 2 * CONTEXT, temperature=0) == want, strategy
         assert model.lm_head.matmul is linear

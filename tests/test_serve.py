@@ -290,7 +290,7 @@ def test_disconnecting_mid_stream_frees_the_slot_every_time(model):
     """Hundreds of clients leave mid-stream: the batch empties each time, and threads and memory stay put."""
     psutil = pytest.importorskip("psutil")
     slow = tiny_model()
-    slow.register_forward_pre_hook(lambda *_: time.sleep(0.002))  # every request is still decoding when it leaves
+    slow.lm_head.register_forward_pre_hook(lambda *_: time.sleep(0.002))  # every request still decodes when it leaves
     with serving(slow, max_tokens=100) as (url, engine), httpx.Client(timeout=30) as http:
         request = {"prompt": "tell me", "max_tokens": 100, "stream": True, "temperature": 0.8}
 

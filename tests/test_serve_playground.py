@@ -91,7 +91,7 @@ def _page_socket(log: Path) -> str:
 def test_typing_a_prompt_and_pressing_generate_streams_the_completion(tmp_path):
     browser_path = _chromium()
     model = tiny_model()
-    model.register_forward_pre_hook(lambda *_: time.sleep(0.02))  # slow enough to watch the text arrive
+    model.lm_head.register_forward_pre_hook(lambda *_: time.sleep(0.02))  # each step: slow enough to watch
     tokens = generate(model, list(b"Once upon"), 40, temperature=0, eos_id=EOS)[0]
     expected = byte_tokenizer().decode(tokens)
     with serving(model) as (url, _):

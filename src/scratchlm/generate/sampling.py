@@ -120,9 +120,9 @@ def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[i
 def _decode(decoder: _Decoder, max_new_tokens: int, eos_id: int | None, sampling: dict) -> Iterator[list[int | None]]:
     rows = decoder.tokens.shape[0]
     finished = [False] * rows
-    with kernels.decoding(decoder.model, rows):  # until the last step, or until the caller drops the stream
+    with kernels.decoding(decoder.model, rows) as forward:  # until the last step, or until the caller drops it
         for column in range(decoder.prompt_width, decoder.prompt_width + max_new_tokens):
-            step: list[int | None] = decoder.next_tokens(column, sampling).tolist()
+            step: list[int | None] = decoder.next_tokens(column, sampling, forward).tolist()
             for row, token in enumerate(step):
                 if finished[row] or token == eos_id:
                     finished[row], step[row] = True, None
@@ -153,13 +153,13 @@ class _Decoder:
         self.cached_until = 0  # columns [start, cached_until) are in the cache
 
     @torch.inference_mode()
-    def next_tokens(self, column: int, sampling: dict) -> torch.Tensor:
-        """Sample the tokens (B,) of `column` and store them in the buffer."""
-        next_ids = sample_next(self.logits_before(column), **sampling)
+    def next_tokens(self, column: int, sampling: dict, forward: kernels.Step) -> torch.Tensor:
+        """Sample the tokens (B,) of `column` and store them in the buffer; `forward` is the model's step."""
+        next_ids = sample_next(self.logits_before(column, forward), **sampling)
         self.tokens[:, column] = next_ids
         return next_ids
 
-    def logits_before(self, column: int) -> torch.Tensor:
+    def logits_before(self, column: int, forward: kernels.Step) -> torch.Tensor:
         """Next-token logits (B, V) after columns [.., column), sliding the window first if it is full."""
         if column - self.start > self.context:
             self.start = column - self.keep
@@ -169,7 +169,7 @@ class _Decoder:
         first = self.cached_until if self.cache is not None else self.start
         ids = self.tokens[:, first:column]  # (B, T)
         mask = self.real[:, first:column] if first < self.pad_width else None
-        logits = self.model(ids, kv_cache=self.cache, attention_mask=mask, last_only=True)  # (B, 1, V)
+        logits = forward(ids, self.cache, mask)  # (B, 1, V)
         self.cached_until = column
         return logits[:, -1]
 

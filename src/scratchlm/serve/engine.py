@@ -125,6 +125,7 @@ class Engine:
         self._wakeup = threading.Condition()
         self._rows: list[_Row] = []
         self._cache: KVCache | None = None
+        self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
         self._stopping = False
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
         self.sampled = 0  # tokens sampled, over all sequences
@@ -187,7 +188,8 @@ class Engine:
     def _run(self) -> None:
         # The decoding matmuls are chosen once for the server's life, timed at max_batch rows (tuned_linear.py):
         # the batch size a loaded server runs at, where the choice matters most.
-        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch):
+        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch) as forward:
+            self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
             while True:
                 with self._wakeup:
                     while not (self._stopping or self._waiting or self._rows):
@@ -210,7 +212,7 @@ class Engine:
         if cache.length + 1 > cache.max_seq_len:
             batch_cache.compact(cache)
         last = torch.tensor([[row.last] for row in self._rows], device=self.device)  # (B, 1)
-        logits = self.model(last, kv_cache=cache, last_only=True)[:, -1]  # (B, V)
+        logits = self._forward(last, cache)[:, -1]  # (B, V)
         self._sample(self._rows, logits)
         self.steps += 1
 

@@ -22,13 +22,15 @@ every module back on the readable path (e.g. to step through it in a debugger).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from scratchlm.model.attention import MultiHeadSelfAttention, RotaryPositionalEmbedding, causal_attention, rotate_pairs
+from scratchlm.model.kernels import decode_step
 from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
@@ -70,21 +72,43 @@ def readable(model: nn.Module) -> nn.Module:
     return model
 
 
+Step = Callable[..., torch.Tensor]  # (ids (B, T), kv_cache, attention_mask=None) -> last logits (B, 1, V)
+
+
 @contextmanager
-def decoding(model: nn.Module, rows: int) -> Iterator[None]:
-    """What generate() decodes `rows` sequences under: `apply`'s choices for the model's device on each module
-    still on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows`
-    rows by the Linear weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
+def decoding(model: nn.Module, rows: int) -> Iterator[Step]:
+    """What generate() and the server decode `rows` sequences under; yields the step to call instead of
+    `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model
+    has its shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still
+    on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows by
+    the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
     oneDNN-packed weights). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
-    _install(model, choices(_device_of(model)), only_readable=True)
+    chosen = choices(_device_of(model))
+    _install(model, chosen, only_readable=True)
+    step = forward_step(model)
+    tuned: nn.Module = model
+    one_pass = None
+    if decode_step.supports(model) and decode_step.fused_bytes(model) <= decode_step.MAX_FUSED_BYTES:
+        step = fused = decode_step.DecodeStep(model)
+        _install(fused.linears, chosen, only_readable=True)
+        tuned, one_pass = fused.linears, fused.timing_pass(rows)
     try:
-        with tuned_weights(model, rows):
-            yield
+        with tuned_weights(tuned, rows, one_pass=one_pass):
+            yield step
     finally:
         for module, attribute, implementation in saved:
             setattr(module, attribute, implementation)
+
+
+def forward_step(model: nn.Module) -> Step:
+    """The model's own forward as a decoding Step."""
+    return functools.partial(_forward, model)
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None):
+    return model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
 
 
 def _install(model: nn.Module, chosen: dict[type, object], only_readable: bool) -> None:

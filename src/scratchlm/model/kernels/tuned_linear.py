@@ -76,14 +76,20 @@ def _build(name: str, layers: list[Linear]) -> list[Matmul]:
     return [layer.matmul if make is None else make(layer.weight, layer.matmul) for layer in layers]
 
 
-def _seconds_per_pass(layers: list[Linear], matmuls: list[Matmul], rows: int) -> float:
+def _matmul_pass(layers: list[Linear], rows: int) -> Callable[[], None]:
+    """Every layer's matmul once on random rows, in order, as a decode step runs them."""
     inputs = {(layer.in_features, layer.weight.dtype): torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
               for layer in layers}
 
     def one_pass() -> None:
-        for layer, matmul in zip(layers, matmuls):
-            matmul(inputs[layer.in_features, layer.weight.dtype], layer.weight)
+        for layer in layers:
+            layer.matmul(inputs[layer.in_features, layer.weight.dtype], layer.weight)
 
+    return one_pass
+
+
+def _seconds_per_pass(one_pass: Callable[[], object]) -> float:
+    """The fastest of TIMED_PASSES timed calls of `one_pass`, after one warm-up call."""
     one_pass()
     best = float("inf")
     for _ in range(TIMED_PASSES):
@@ -93,22 +99,24 @@ def _seconds_per_pass(layers: list[Linear], matmuls: list[Matmul], rows: int) ->
     return best
 
 
-def _key(layers: list[Linear], rows: int) -> tuple:
-    return (rows, torch.get_num_threads(), tuple((tuple(layer.weight.shape), layer.weight.dtype,
-                                                  getattr(layer.matmul, "__qualname__", type(layer.matmul).__name__))
-                                                 for layer in layers))
+def _key(layers: list[Linear], rows: int, timed: str) -> tuple:
+    return (rows, timed, torch.get_num_threads(),
+            tuple((tuple(layer.weight.shape), layer.weight.dtype,
+                   getattr(layer.matmul, "__qualname__", type(layer.matmul).__name__)) for layer in layers))
 
 
-def _fastest(layers: list[Linear], rows: int) -> tuple[str, list[Matmul]]:
+def _fastest(layers: list[Linear], rows: int, one_pass: Callable[[], object] | None) -> tuple[str, list[Matmul]]:
     """The fastest strategy's name and matmuls (timed now, or remembered from an earlier call)."""
-    key = _key(layers, rows)
+    key = _key(layers, rows, "matmuls" if one_pass is None else "step")
     if key in _chosen:
         return _chosen[key], _build(_chosen[key], layers)
+    one_pass = one_pass or _matmul_pass(layers, rows)
     best_name, best_matmuls, best_seconds = "installed", [], float("inf")
     with torch.inference_mode():
         for name in strategies():
             matmuls = _build(name, layers)
-            seconds = _seconds_per_pass(layers, matmuls, rows)
+            with _installed(layers, matmuls):
+                seconds = _seconds_per_pass(one_pass)
             if seconds < best_seconds:
                 best_name, best_matmuls, best_seconds = name, matmuls, seconds
     _chosen[key] = best_name
@@ -116,10 +124,27 @@ def _fastest(layers: list[Linear], rows: int) -> tuple[str, list[Matmul]]:
 
 
 @contextmanager
-def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None) -> Iterator[str]:
+def _installed(layers: list[Linear], matmuls: list[Matmul]) -> Iterator[None]:
+    """Within the block, each layer multiplies by its matmul of `matmuls`; the previous ones come back on exit."""
+    before = [layer.matmul for layer in layers]
+    for layer, matmul in zip(layers, matmuls):
+        layer.matmul = matmul
+    try:
+        yield
+    finally:
+        for layer, matmul in zip(layers, before):
+            layer.matmul = matmul
+
+
+@contextmanager
+def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
+                  one_pass: Callable[[], object] | None = None) -> Iterator[str]:
     """Within the block, the CPU Linear layers of `model` multiply `rows` rows by the fastest strategy (or the
-    one named by `strategy`); yields its name. Layers already tuned by an enclosing block are left to it; models
-    whose Linear weights pass MAX_COPY_BYTES keep their matmuls (the strategies copy the weights)."""
+    one named by `strategy`); yields its name. What is timed for each strategy is `one_pass`, the caller's decode
+    step where it has one (so the choice counts what runs around the products: a strategy that is faster alone
+    can lose inside a step), else every layer's matmul once. Layers already tuned by an enclosing block are
+    left to it; models whose Linear weights pass MAX_COPY_BYTES keep their matmuls (the strategies copy the
+    weights)."""
     tuned = (ColumnMajorLinear, PackedLinear)
     layers = [layer for layer in model.modules() if isinstance(layer, Linear) and not isinstance(layer.matmul, tuned)
               and layer.weight.device.type == "cpu" and layer.weight.dtype in COPIED_DTYPES]
@@ -130,14 +155,8 @@ def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None) -> I
         yield "installed"
         return
     if strategy is None:
-        strategy, matmuls = _fastest(layers, rows)
+        strategy, matmuls = _fastest(layers, rows, one_pass)
     else:
         matmuls = _build(strategy, layers)
-    installed = [layer.matmul for layer in layers]
-    for layer, matmul in zip(layers, matmuls):
-        layer.matmul = matmul
-    try:
+    with _installed(layers, matmuls):
         yield strategy
-    finally:
-        for layer, matmul in zip(layers, installed):
-            layer.matmul = matmul
