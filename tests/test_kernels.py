@@ -151,8 +151,8 @@ def test_few_rows_linear_on_another_device_is_x_wt():
     assert few_rows_linear(x, weight).shape == (1, 4)
 
 
-STRATEGY_TYPES = {"column_major": ColumnMajorLinear, "packed": PackedLinear}
-needs_strategy = {"column_major": [], "packed": [needs_onednn]}
+STRATEGY_TYPES = {"column_major": ColumnMajorLinear, "packed": PackedLinear, "packed_native": PackedLinear}
+needs_strategy = {"column_major": [], "packed": [needs_onednn], "packed_native": [needs_onednn]}
 STRATEGIES = [pytest.param(name, marks=needs_strategy[name]) for name in STRATEGY_TYPES]
 
 
@@ -161,15 +161,15 @@ STRATEGIES = [pytest.param(name, marks=needs_strategy[name]) for name in STRATEG
 @pytest.mark.parametrize("rows", [(3,), (8,), (2, 5), (4, 1, 16), (1,), (0,)])
 @pytest.mark.parametrize("d_in, d_out", [(24, 40), (40, 24)])
 def test_tuned_linear_equals_x_wt_in_inference(strategy, dtype, rows, d_in, d_out):
-    """Each strategy computes x Wᵀ; bf16 packed weights (float32 copies) round the float32 product once, as a
-    bf16 matmul does."""
+    """Each strategy computes x Wᵀ; bf16 weights copied as float32 round the float32 product once, as a bf16
+    matmul does (packed natively, oneDNN's bf16 kernel sums in its own order)."""
     layer, x = Linear(d_in, d_out, dtype=dtype), torch.randn(*rows, d_in).to(dtype)
     with tuned_weights(layer, rows=8, strategy=strategy), torch.inference_mode():
         assert isinstance(layer.matmul, STRATEGY_TYPES[strategy])
         got = layer(x)
         assert got.dtype == dtype
         assert_close(got, linear(x, layer.weight), **TOLERANCE[dtype])
-        if dtype == torch.bfloat16:  # the float32 product rounded once: what a float32 matmul rounds to
+        if dtype == torch.bfloat16 and strategy != "packed_native":  # the float32 product, rounded once
             assert_close(got, linear(x.float(), layer.weight.float()).to(dtype), rtol=0, atol=0)
     assert layer.matmul is linear
 
@@ -217,11 +217,13 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
     model = torch.nn.ModuleList([layer, half, double])
     monkeypatch.setattr(tuned_linear, "_chosen", {})
     timed = []
-    speed = {"installed": 3.0, "column_major": 1.0, "packed": 2.0}
+    speed = {"installed": 3.0, "column_major": 1.0, "packed": 2.0, "packed_native": 2.5}
 
     def fake_seconds(one_pass):
         one_pass()  # the strategy is installed while it is timed
-        name = {ColumnMajorLinear: "column_major", PackedLinear: "packed"}.get(type(layer.matmul), "installed")
+        name = {ColumnMajorLinear: "column_major", PackedLinear: "packed"}.get(type(half.matmul), "installed")
+        if name == "packed" and half.matmul.compute_dtype == torch.bfloat16:
+            name = "packed_native"
         timed.append(name)
         return speed[name]
 
@@ -245,9 +247,20 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
         pass
 
 
+def test_float32_weights_are_not_timed_packed_twice(monkeypatch):
+    """packed_native of float32 weights is "packed": a model without bf16 weights times it once."""
+    model = torch.nn.ModuleList([Linear(16, 24), Linear(24, 16)])
+    monkeypatch.setattr(tuned_linear, "_chosen", {})
+    timed = []
+    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: timed.append(model[0].matmul) or 1.0)
+    with tuned_weights(model, rows=8):
+        pass
+    assert len(timed) == len(tuned_linear.strategies()) - ("packed_native" in tuned_linear.strategies())
+
+
 def test_without_onednn_nothing_is_packed(monkeypatch):
     monkeypatch.setattr(packed_linear, "available", lambda: False)
-    assert "packed" not in tuned_linear.strategies()
+    assert "packed" not in tuned_linear.strategies() and "packed_native" not in tuned_linear.strategies()
 
 
 # ---- the whole model -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ computes for a pre-norm RMSNorm model, with:
   and larger products, which oneDNN and BLAS run nearer memory speed;
 - RoPE on q and k together as one complex multiply by each row's position (complex_rope.py's rotation);
 - the attention of each row's one query over its cached keys as two batched products around one softmax, the
-  query heads of a grouped-query KV head batched together (no repeated K and V);
+  query heads of a grouped-query KV head batched together (no repeated K and V), in at least float32;
 - no checks beyond the cache's own: the caller (generate(), the server) made the ids.
 Its products are timed like every decoding matmul (tuned_linear.py). Anything else goes to the model's forward:
 several new tokens (a prefill), an attention mask, autograd on, another kind of model (post-norm, LayerNorm),
@@ -149,13 +149,17 @@ class DecodeStep:
         length = cache.length
         cache.keys[index][:, :, length] = k
         cache.values[index][:, :, length] = v.view(rows, kv_heads, head_dim)
-        keys = cache.keys[index][:, :, :length + 1]  # (B, H_kv, T_k, d_k)
-        values = cache.values[index][:, :, :length + 1]
-        grouped = q.view(rows, kv_heads, heads // kv_heads, head_dim)  # (B, H_kv, group, d_k)
+        # In at least float32: a CPU's bf16 batched products are emulated and ~2x slower (batch 1) than
+        # upcasting this step's keys and values (a small copy) and multiplying in float32. The sums are float32
+        # either way; only the scores and weights skip their rounding to bf16.
+        real = torch.promote_types(x.dtype, torch.float32)
+        keys = cache.keys[index][:, :, :length + 1].to(real)  # (B, H_kv, T_k, d_k)
+        values = cache.values[index][:, :, :length + 1].to(real)
+        grouped = q.to(real).view(rows, kv_heads, heads // kv_heads, head_dim)  # (B, H_kv, group, d_k)
         scores = grouped @ keys.transpose(-2, -1) / math.sqrt(head_dim)  # (B, H_kv, group, T_k)
         if masked is not None:
             scores = scores.masked_fill(masked, float("-inf"))  # the row's own new key is real: never all masked
-        return (torch.softmax(scores, dim=-1) @ values).view(rows, heads * head_dim)
+        return (torch.softmax(scores, dim=-1) @ values).to(x.dtype).view(rows, heads * head_dim)
 
     @staticmethod
     def _ffn(layer: _Layer, x: torch.Tensor) -> torch.Tensor:

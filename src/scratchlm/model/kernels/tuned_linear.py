@@ -12,7 +12,8 @@ in a row as one decode step runs them (so weights stream from memory as they do 
 sitting in cache as in a one-matrix micro-benchmark), and installs the fastest for the block:
 - "installed": each layer's current matmul (few_rows_linear or the readable `linear`);
 - "column_major": a contiguous float32 copy of Wᵀ, multiplied as x @ Wᵀ;
-- "packed": oneDNN-packed float32 copies of the weights, where this torch has the ops.
+- "packed": oneDNN-packed float32 copies of the weights, where this torch has the ops;
+- "packed_native": the weights oneDNN-packed in their own dtype (for float32 weights, "packed" again: skipped).
 bf16/fp16 weights are copied as float32 and their inputs upcast, the product rounded back once: what a bf16
 matmul computes (float32 sums, one rounding), at float32 speed where the CPU has no bf16 instructions.
 The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of the process, so
@@ -68,6 +69,7 @@ def strategies() -> dict[str, Callable[[torch.Tensor, Matmul], Matmul] | None]:
                                                                            "column_major": ColumnMajorLinear}
     if packed_linear.available():
         found["packed"] = PackedLinear
+        found["packed_native"] = packed_linear.native_packed  # bf16 kernels where the CPU has bf16 instructions
     return found
 
 
@@ -114,6 +116,8 @@ def _fastest(layers: list[Linear], rows: int, one_pass: Callable[[], object] | N
     best_name, best_matmuls, best_seconds = "installed", [], float("inf")
     with torch.inference_mode():
         for name in strategies():
+            if name == "packed_native" and all(layer.weight.dtype == torch.float32 for layer in layers):
+                continue  # float32 weights packed natively are "packed"
             matmuls = _build(name, layers)
             with _installed(layers, matmuls):
                 seconds = _seconds_per_pass(one_pass)
