@@ -12,6 +12,7 @@ readable path (values and gradients) in tests/test_kernels.py:
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, a few rows (by timing)   |
 | tuned_linear      | `Linear.matmul`, within `decoding`               | CPU: times the strategies, keeps the best |
+| decode_step       | `TransformerLM.forward` of one new token a row   | CPU decoding (fewer, larger ops)          |
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
 the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks
@@ -82,7 +83,8 @@ def decoding(model: nn.Module, rows: int) -> Iterator[Step]:
     has its shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still
     on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows by
     the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
-    oneDNN-packed weights). Every module gets its previous implementation back on exit."""
+    oneDNN-packed weights, in float32 or their own dtype). Every module gets its previous implementation back on
+    exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     chosen = choices(_device_of(model))
