@@ -150,6 +150,24 @@ def _prefilled(model, prompt: list[int]) -> tuple[KVCache, torch.Tensor]:
     return cache, logits
 
 
+def test_a_long_row_leaving_takes_its_columns_with_it(model):
+    """After the longest row ends, the cache shrinks to the longest row left (the steps attend over its length),
+    and the row left still decodes what generate() gives it alone."""
+    short, long = _prompts([3, 40])
+    expected = generate(model, short, 30, temperature=0)[0]
+    engine = Engine(model, byte_tokenizer(), eos_id=None, max_batch=2)
+    sequences = [Sequence(long, Sampling(2, 0.0), Collector()), Sequence(short, Sampling(30, 0.0), Collector())]
+    engine.submit(sequences)
+    with torch.inference_mode():
+        engine._step()  # both prefilled (the short one left-padded to 40) and one step decoded
+        while len(engine._rows) == 2:
+            engine._step()
+        assert engine._cache.length == len(short) + len(sequences[1].emit.tokens) - 1  # no padding column left
+        while engine._rows:
+            engine._step()
+    assert sequences[1].emit.tokens == expected
+
+
 @torch.no_grad()
 def test_merge_select_compact_keep_every_rows_next_logits(model):
     """Rows merged at different lengths, some dropped, the padding compacted: one batched step gives each row the

@@ -242,12 +242,16 @@ class Engine:
             self._cache = batch_cache.merge(self.model, self._cache, cache)
 
     def _leave(self) -> None:
-        """Drop finished and cancelled rows (and their cache rows)."""
+        """Drop finished and cancelled rows (and their cache rows), and the columns that were only theirs: every
+        step attends over the cache's whole length, so columns that are padding in every row left would cost
+        each later step until the context's end (one copy of the cache now, against a share of every step)."""
         kept = [index for index, row in enumerate(self._rows) if not (row.done or row.sequence.cancelled)]
         if len(kept) == len(self._rows):
             return
         self._cache = batch_cache.select(self.model, self._cache, kept)
         self._rows = [self._rows[index] for index in kept]
+        if self._cache is not None:
+            batch_cache.compact(self._cache)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """One token for each row from its logits (len(rows), V); emits them and marks the rows that end."""
