@@ -26,6 +26,7 @@ from torch import nn
 
 from scratchlm.accounting.memory import MemoryEstimate, estimate_memory
 from scratchlm.config import DEVICE_PATTERN, RunConfig
+from scratchlm.data.token_file import TokenFile, check_token_file, open_token_file
 from scratchlm.model import TransformerLM, kernels
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.groups import recipe_param_groups
@@ -146,33 +147,40 @@ def _gigabytes(size: int) -> str:
     return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
-def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash."""
-    tokenizer_hash = None
-    if config.data.tokenizer:
-        from scratchlm.tokenizer.tokenizer import Tokenizer
-
-        tokenizer_hash = Tokenizer.load(config.data.tokenizer).hash
-    train = _open_tokens(config.data.train_path, "data.train_path", config, tokenizer_hash)
-    val = _open_tokens(config.data.val_path, "data.val_path", config, tokenizer_hash) if config.data.val_path else None
-    return train, val
+def open_token_files(config: RunConfig) -> tuple[TokenFile | None, TokenFile | None]:
+    """data.train_path and data.val_path opened (header read, ids memory-mapped; None where unset), each once:
+    their vocabulary and tokenizer hash are known only then, so ``check_data`` checks them afterwards."""
+    return _open_tokens(config.data.train_path, "data.train_path"), _open_tokens(config.data.val_path,
+                                                                                  "data.val_path")
 
 
-def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
-    from scratchlm.data.token_file import open_token_file
-
+def _open_tokens(path: str, key: str) -> TokenFile | None:
     if not path:
-        raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
+        return None
     try:
-        tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+        return open_token_file(path)
     except FileNotFoundError as error:  # a run moved without its data: say how to give the data's new place
         raise FileNotFoundError(f"{key}: {error} (to train on, a moved or copied run needs --set {key}=FILE)") \
             from None
+
+
+def check_data(config: RunConfig, train: TokenFile | None, val: TokenFile | None,
+               tokenizer_hash: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash
+    (data.tokenizer's; None checks no hash), each holding at least one training window."""
+    if train is None:
+        raise ValueError("data.train_path is not set: give a token file written by `scratchlm data encode`")
+    train_tokens = _checked(train, "data.train_path", config, tokenizer_hash)
+    return train_tokens, _checked(val, "data.val_path", config, tokenizer_hash) if val is not None else None
+
+
+def _checked(opened: TokenFile, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
+    check_token_file(opened, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash)
     needed = config.model.context_length + 1
-    if len(tokens) < needed:
-        raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "
-                         f"{needed} needed for one training window")
-    return tokens
+    if opened.num_tokens < needed:
+        raise ValueError(f"{opened.path} ({key}) holds {opened.num_tokens} tokens, fewer than model.context_length "
+                         f"+ 1 = {needed} needed for one training window")
+    return opened.tokens
 
 
 def build_model(config: RunConfig, device: torch.device) -> TransformerLM:
