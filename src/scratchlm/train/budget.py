@@ -3,10 +3,10 @@
 ``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here". Before
 the run, ``plan_budget`` builds the model and optimizer once, times a few real optimizer steps (after a warm-up
 step, which pays one-off allocation costs) and sets ``train.max_steps`` so that training, plus its evaluations when
-``train.budget_includes_eval`` is on, fills the budget. The probe trains on the run's own token array, opened
-once for the run (train/resolve.py). The warm-up and the decay of the learning-rate schedule are
-then laid over exactly those steps, so the schedule ends where the time does. The plan also spreads
-``EVALUATIONS`` evaluations (each with a checkpoint) over the run.
+``train.budget_includes_eval`` is on, fills the budget. The probe trains on the run's own train tokens, opened once
+for the whole run (train/resolve.py). The warm-up and the decay of the learning-rate schedule are then laid over
+exactly those steps, so the schedule ends where the time does. The plan also spreads ``EVALUATIONS`` evaluations
+(each with a checkpoint) over the run.
 
 The probe is a guess: the machine may be busier (or quieter) later. The run therefore re-plans as it goes
 (``LivePlan``), at every log step:

@@ -1,11 +1,14 @@
 """Building a run's pieces: the device and its matmul precision, the token files, the model and its wrapping, the
-optimizer, the run directory. ``train`` calls these in order; the demo and the benchmarks call them directly.
+optimizer, the run directory. ``train`` calls these in one direction (device and run directory; then, through
+resolve.py, the token files and the memory check; then the model and optimizer), each once; the demo and the
+benchmarks call them directly.
 
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
 - ``build_model`` makes the TransformerLM and switches its speed paths on (model/kernels/: the readable model
   stays what a learner reads); ``wrap_model`` applies torch.compile. A data-parallel launcher
   passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
-- The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
+- The token files are opened once (``open_token_files``: the train file's header may give the vocabulary) and
+  checked once the vocabulary is known (``check_data``: the model's vocabulary, the tokenizer's hash, at least one
   training window), so the model's per-step token-id check is switched off.
 - A model whose training step cannot fit in the device's free memory is refused before anything is allocated
   (``check_memory_fits``: the accounting estimate against what the device has free), in one line, instead of

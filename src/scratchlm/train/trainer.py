@@ -1,7 +1,10 @@
 """The training loop: RunConfig in, a run directory (checkpoints, metrics.jsonl, curves.png, config.toml) out.
 
-Its pieces live beside it: setup.py builds a run (device, data, model, optimizer, run directory) and step.py runs
-one optimizer step and evaluation; this file orders them, and owns the sync points, resume and stopping.
+Its pieces live beside it, and a run starts in one direction, each input read once: setup.py sets up the device and
+the run directory; resolve.py resolves the run (config -> tokenizer -> token files -> budget plan) into a
+ResolvedRun, which holds everything read; the model and optimizer are built from that (setup.py), resumed or
+initialised, and handed to the loop; step.py runs one optimizer step and evaluation. This file orders them, and
+owns the sync points, resume and stopping.
 
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
 - ``train`` wraps the plain model with ``wrap`` (``wrap_model``, torch.compile, by default). A data-parallel
