@@ -57,8 +57,6 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
                 model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool) -> ResolvedRun:
     """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
     run starts from nor the budget's plan (rank 0 prints them)."""
-    from scratchlm.tokenizer.tokenizer import Tokenizer
-
     run_dir = Path(config.train.run_dir)
     saved_path = run_dir / CONFIG_FILE
     saved = load_config(saved_path) if resume and saved_path.is_file() else None
@@ -66,7 +64,7 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     if source is not None and not quiet:
         print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
-    tokenizer = Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
+    tokenizer = _tokenizer(config, source)
     train_file, val_file = open_token_files(config)
     config = fit_vocab_size(config, tokenizer, train_file)
     if not force_memory:  # before the budget's probe step builds a model
@@ -90,6 +88,15 @@ def _starting_point(config: RunConfig, run_dir: Path, resume: bool, saved: RunCo
         return config, None
     source = open_source(config.train.init_from)
     return adopt(config, source, model_overrides), source
+
+
+def _tokenizer(config: RunConfig, source: InitSource | None) -> Tokenizer | None:
+    """data.tokenizer, loaded; the one train.init_from read when it is the source's (``adopt`` put it there)."""
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    if source is not None and source.tokenizer is not None and config.data.tokenizer == str(source.tokenizer):
+        return source.read_tokenizer
+    return Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
 
 
 def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool) -> RunConfig:
