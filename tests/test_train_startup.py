@@ -10,13 +10,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scratchlm.config import load_config
+from scratchlm.config import RunConfig, load_config
 from scratchlm.data import token_file
 from scratchlm.data.token_file import write_token_file
 from scratchlm.tokenizer.tokenizer import Tokenizer
 from scratchlm.train.trainer import train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+BYTES = Tokenizer({byte: bytes([byte]) for byte in range(256)}, [], [])
+
+
+@pytest.fixture
+def world(tmp_path) -> Path:
+    """The byte tokenizer in tok/, and train.tok and valid.tok encoded with it."""
+    BYTES.save(tmp_path / "tok")
+    rng = np.random.default_rng(0)
+    for name, size in (("train", 20_000), ("valid", 2_000)):
+        write_token_file(tmp_path / f"{name}.tok", rng.integers(0, 256, size), vocab_size=256,
+                         tokenizer_hash=BYTES.hash)
+    return tmp_path
 
 
 @pytest.fixture
@@ -38,19 +50,33 @@ def reads(monkeypatch) -> Counter:
     return counted
 
 
-def test_a_budgeted_run_reads_its_tokenizer_and_each_token_file_once(tmp_path, reads, capsys):
-    tokenizer = Tokenizer({byte: bytes([byte]) for byte in range(256)}, [], [])
-    tokenizer.save(tmp_path / "tok")
-    rng = np.random.default_rng(0)
-    for name, size in (("train", 20_000), ("valid", 2_000)):
-        write_token_file(tmp_path / f"{name}.tok", rng.integers(0, 256, size), vocab_size=256,
-                         tokenizer_hash=tokenizer.hash)
-    config = load_config(TINY, [f"data.train_path={tmp_path / 'train.tok'}", f"data.val_path={tmp_path / 'valid.tok'}",
-                                f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=none", "data.batch_size=4",
-                                "train.eval_batches=1", f"train.run_dir={tmp_path / 'run'}",
-                                "train.budget_seconds=2"])  # the probe steps, then about 2 s of training
+def tiny(world: Path, run: str, *overrides: str) -> RunConfig:
+    return load_config(TINY, [f"data.train_path={world / 'train.tok'}", f"data.val_path={world / 'valid.tok'}",
+                              "model.vocab_size=none", "data.batch_size=4", "train.eval_batches=1",
+                              f"train.run_dir={world / run}", *overrides])
+
+
+def once(*paths: Path) -> dict[Path, int]:
+    return {path.resolve(): 1 for path in paths}
+
+
+def test_a_budgeted_run_reads_its_tokenizer_and_each_token_file_once(world, reads, capsys):
+    config = tiny(world, "run", f"data.tokenizer={world / 'tok'}",
+                  "train.budget_seconds=2")  # the probe's steps, then about 2 s of training
     result = train(config)  # not quiet: the plan's line counts the training tokens too
     assert result.status == "finished" and "s/step measured" in capsys.readouterr().err
-    assert load_config(tmp_path / "run" / "config.toml").data.tokenizer_hash == tokenizer.hash
-    assert reads == {(tmp_path / "tok").resolve(): 1, (tmp_path / "train.tok").resolve(): 1,
-                     (tmp_path / "valid.tok").resolve(): 1}
+    assert reads == once(world / "tok", world / "train.tok", world / "valid.tok")
+    saved = load_config(world / "run" / "config.toml")
+    assert saved.data.tokenizer_hash == BYTES.hash and saved.model.vocab_size == 256
+
+
+def test_a_run_from_init_from_reads_the_sources_tokenizer_once(world, reads):
+    short = ["train.max_steps=2", "optim.warmup_iters=1"]
+    train(tiny(world, "source", f"data.tokenizer={world / 'tok'}", *short), quiet=True)
+    reads.clear()
+    result = train(tiny(world, "tuned", f"train.init_from={world / 'source'}", *short), quiet=True,
+                   model_overrides={})  # the model is the source's
+    assert result.status == "finished"
+    # The source's copy, read (and checked against its recorded hash) by init_from and kept by the new run.
+    assert reads == once(world / "source" / "tokenizer", world / "train.tok", world / "valid.tok")
+    assert load_config(world / "tuned" / "config.toml").data.tokenizer_hash == BYTES.hash
