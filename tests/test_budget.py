@@ -17,6 +17,7 @@ from scratchlm.config import load_config
 from scratchlm.data.token_file import write_token_file
 from scratchlm.optim.schedule import Replanned
 from scratchlm.train import budget as budget_module
+from scratchlm.train import resolve as resolve_module
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.budget import BudgetClock, parse_duration, plan_steps
 from scratchlm.train.checkpoint import CheckpointManager
@@ -104,7 +105,7 @@ class FakeClock:
         return self.now
 
 
-def fixed_probe(config):
+def fixed_probe(config, train_tokens):
     return budget_module.plan_steps(config, step_seconds=0.01, threads=1)
 
 
@@ -119,7 +120,7 @@ def stopped_clock(monkeypatch) -> None:
 
 
 def test_budgeted_run_is_planned_saved_and_resumed_with_its_plan(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "plan_budget", fixed_probe)
+    monkeypatch.setattr(resolve_module, "plan_budget", fixed_probe)
     stopped_clock(monkeypatch)
     run_dir = tmp_path / "run"
     config = config_for(data, run_dir, "train.budget_seconds=0.5")
@@ -136,7 +137,7 @@ def test_budgeted_run_is_planned_saved_and_resumed_with_its_plan(data, tmp_path,
 
 
 def test_resume_refuses_a_changed_recipe(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "plan_budget", fixed_probe)
+    monkeypatch.setattr(resolve_module, "plan_budget", fixed_probe)
     stopped_clock(monkeypatch)
     run_dir = tmp_path / "run"
     config = config_for(data, run_dir, "train.budget_seconds=0.2")
@@ -146,7 +147,7 @@ def test_resume_refuses_a_changed_recipe(data, tmp_path, monkeypatch):
 
 
 def test_a_slow_machine_stops_at_the_budget_with_a_final_evaluation_and_checkpoint(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "plan_budget", fixed_probe)
+    monkeypatch.setattr(resolve_module, "plan_budget", fixed_probe)
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "BudgetClock",
                         lambda config, used=0.0: BudgetClock(config, used=used, clock=clock))
@@ -162,7 +163,7 @@ def test_a_slow_machine_stops_at_the_budget_with_a_final_evaluation_and_checkpoi
 
 
 def test_cli_budget_flag_and_its_bad_values(data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trainer_module, "plan_budget", fixed_probe)
+    monkeypatch.setattr(resolve_module, "plan_budget", fixed_probe)
     stopped_clock(monkeypatch)
     base = ["train", "--config", str(CONFIGS / "tiny.toml"), "--set", f"data.train_path={data['train']}",
             "--set", f"data.val_path={data['val']}", "--set", "data.batch_size=4", "--quiet"]
@@ -230,8 +231,8 @@ class SimulatedMachine:
         monkeypatch.setattr(CheckpointManager, "save", save)
         monkeypatch.setattr(trainer_module, "BudgetClock",
                             lambda config, used=0.0: BudgetClock(config, used=used, clock=self))
-        monkeypatch.setattr(trainer_module, "plan_budget",
-                            lambda config: plan_steps(config, step_seconds=0.5, threads=1))  # the probe: 0.5 s
+        monkeypatch.setattr(resolve_module, "plan_budget",  # the probe: 0.5 s
+                            lambda config, train_tokens: plan_steps(config, step_seconds=0.5, threads=1))
 
 
 BUDGET = 120.0  # simulated seconds: the probe's 0.5 s a step plans int(0.95 * 120 / 0.5 - 8) = 220 steps

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from scratchlm.cli import main
 from scratchlm.demo import read_prefix, resolve_corpus, split_holdout
+from scratchlm.train import resolve as resolve_module
 from scratchlm.train import trainer as trainer_module
 from scratchlm.train.budget import BudgetClock, plan_steps
 
@@ -27,7 +28,8 @@ TINY_MODEL = ["model.context_length=32", "data.batch_size=8", "model.d_model=32"
 def fixed_plan(monkeypatch):
     """The budget's plan from a fixed step time and a clock that never runs out: the test trains the same steps
     on a fast machine and on a busy one (the real probe and clock are tested in test_budget.py)."""
-    monkeypatch.setattr(trainer_module, "plan_budget", lambda config: plan_steps(config, step_seconds=0.05, threads=1))
+    monkeypatch.setattr(resolve_module, "plan_budget",
+                        lambda config, train_tokens: plan_steps(config, step_seconds=0.05, threads=1))
     monkeypatch.setattr(trainer_module, "BudgetClock",
                         lambda config, used=0.0: BudgetClock(config, used=used, clock=lambda: 0.0))
 

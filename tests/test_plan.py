@@ -72,7 +72,7 @@ def test_more_compute_buys_a_larger_model_and_a_small_corpus_pushes_the_same_way
 
 
 def test_plan_command_prints_the_ranking_and_the_overrides(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(budget_module, "measure_step_seconds", lambda config, steps=5: 0.5)
+    monkeypatch.setattr(budget_module, "measure_step_seconds", lambda config, train_tokens, steps=5: 0.5)
     data = tmp_path / "train.tok"
     write_token_file(data, np.random.default_rng(0).integers(0, 300, 50_000).astype(np.uint16), vocab_size=300)
     assert main(["plan", "--budget", "5m", "--data", str(data), "--config", str(RECIPE), "--top", "3"]) == 0

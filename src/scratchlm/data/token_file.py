@@ -200,14 +200,21 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
         raise ValueError(f"{path}: file is {size} bytes but its header promises {num_tokens} tokens "
                          f"({expected} bytes): {'truncated' if size < expected else 'trailing data'}")
     found_hash = None if stored_hash == _NO_HASH else stored_hash.hex()
-    _check_expectations(path, stored_vocab, found_hash, vocab_size, tokenizer_hash)
     if num_tokens == 0:
         tokens = np.zeros(0, dtype=dtype)
     else:
         tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(num_tokens,))
+    opened = TokenFile(path, tokens, stored_vocab, found_hash, num_tokens, dtype)
+    check_token_file(opened, vocab_size=vocab_size, tokenizer_hash=tokenizer_hash)
+    return opened
+
+
+def check_token_file(opened: TokenFile, *, vocab_size: int | None = None, tokenizer_hash: str | None = None) -> None:
+    """``open_token_file``'s checks of ``vocab_size`` and ``tokenizer_hash``, for a file opened before they were
+    known (train opens its token files once, and learns the vocabulary from the train file's header)."""
+    _check_expectations(opened.path, opened.vocab_size, opened.tokenizer_hash, vocab_size, tokenizer_hash)
     if vocab_size is not None:
-        check_ids_below(path, tokens, stored_vocab)
-    return TokenFile(path, tokens, stored_vocab, found_hash, num_tokens, dtype)
+        check_ids_below(opened.path, opened.tokens, opened.vocab_size)
 
 
 def check_ids_below(path: Path, tokens: np.ndarray, limit: int) -> None:

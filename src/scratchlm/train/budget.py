@@ -3,9 +3,10 @@
 ``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here". Before
 the run, ``plan_budget`` builds the model and optimizer once, times a few real optimizer steps (after a warm-up
 step, which pays one-off allocation costs) and sets ``train.max_steps`` so that training, plus its evaluations when
-``train.budget_includes_eval`` is on, fills the budget. The warm-up and the decay of the learning-rate schedule are
-then laid over exactly those steps, so the schedule ends where the time does. The plan also spreads
-``EVALUATIONS`` evaluations (each with a checkpoint) over the run.
+``train.budget_includes_eval`` is on, fills the budget. The probe trains on the run's own train tokens, opened once
+for the whole run (train/resolve.py). The warm-up and the decay of the learning-rate schedule are then laid over
+exactly those steps, so the schedule ends where the time does. The plan also spreads ``EVALUATIONS`` evaluations
+(each with a checkpoint) over the run.
 
 The probe is a guess: the machine may be busier (or quieter) later. The run therefore re-plans as it goes
 (``LivePlan``), at every log step:
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from scratchlm.config import RunConfig
@@ -88,14 +90,14 @@ class BudgetPlan:
                 f"of the training data)")
 
 
-def measure_step_seconds(config: RunConfig, steps: int = 5) -> float:
-    """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`."""
+def measure_step_seconds(config: RunConfig, train_tokens: np.ndarray, steps: int = 5) -> float:
+    """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`,
+    on batches of ``train_tokens`` (the run's training data, already opened and checked)."""
     from scratchlm.data.batches import BatchSampler
-    from scratchlm.train.setup import build_model, build_optimizer, open_data, select_device
+    from scratchlm.train.setup import build_model, build_optimizer, select_device
     from scratchlm.train.step import train_step
 
     device = select_device(config.train.device)
-    train_tokens, _ = open_data(config)
     model = build_model(config, device)
     optimizer = build_optimizer(model, config)
     sampler = BatchSampler(train_tokens, config.micro_batch_size, config.model.context_length, device, seed=0)
@@ -110,14 +112,14 @@ def measure_step_seconds(config: RunConfig, steps: int = 5) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def choose_threads(config: RunConfig) -> tuple[int, float]:
+def choose_threads(config: RunConfig, train_tokens: np.ndarray) -> tuple[int, float]:
     """(torch threads, seconds per step): the default thread count, or 1 when that is clearly faster (a busy
     machine). Leaves torch set to the thread count it returns."""
     default = torch.get_num_threads()
-    seconds = measure_step_seconds(config)
+    seconds = measure_step_seconds(config, train_tokens)
     if default > 1 and config.train.device in ("cpu", "auto") and not torch.cuda.is_available():
         torch.set_num_threads(1)
-        single = measure_step_seconds(config)
+        single = measure_step_seconds(config, train_tokens)
         if single < 0.8 * seconds:
             return 1, single
         torch.set_num_threads(default)
@@ -152,10 +154,12 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1) -> tupl
     return planned, BudgetPlan(budget, step_seconds, threads, steps, eval_steps)
 
 
-def plan_budget(config: RunConfig,
-                measure: Callable[[RunConfig], tuple[int, float]] = choose_threads) -> tuple[RunConfig, BudgetPlan]:
-    """Measure a step on this machine (``measure`` -> (threads, seconds)) and plan the run: see plan_steps."""
-    threads, step_seconds = measure(config)
+def plan_budget(config: RunConfig, train_tokens: np.ndarray,
+                measure: Callable[[RunConfig, np.ndarray], tuple[int, float]] = choose_threads,
+                ) -> tuple[RunConfig, BudgetPlan]:
+    """Measure a step on this machine on ``train_tokens`` (``measure`` -> (threads, seconds)) and plan the run:
+    see plan_steps."""
+    threads, step_seconds = measure(config, train_tokens)
     return plan_steps(config, step_seconds, threads)
 
 

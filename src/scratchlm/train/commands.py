@@ -161,6 +161,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.train.allocator import keep_freed_memory
     from scratchlm.train.budget import PLANNED_SHARE, choose_threads, parse_duration
+    from scratchlm.train.setup import check_data
     from scratchlm.train.trainer import model_step_flops
 
     if args.top < 1:
@@ -172,8 +173,9 @@ def run_plan(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"data.train_path={args.data}", "data.val_path=", "data.tokenizer=none"]
     overrides += [f"model.vocab_size={data.vocab_size}"] + ([f"train.device={args.device}"] if args.device else [])
     config = load_config(args.config, overrides)
+    train_tokens, _ = check_data(config, data, None, None)  # as train checks them (the ids, one window)
     keep_freed_memory()  # as `train` does on a CPU (allocator.py), so the probe measures the speed train gets
-    threads, step_seconds = choose_threads(config)
+    threads, step_seconds = choose_threads(config, train_tokens)
     model = config.model
     step_flops = model_step_flops(config)
     flops_per_second = step_flops / step_seconds

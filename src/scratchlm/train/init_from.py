@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from scratchlm.config import RunConfig
 from scratchlm.errors import UserError
 from scratchlm.model.config import ModelConfig
 from scratchlm.train.checkpoint_state import load_model_state
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -48,6 +51,7 @@ class InitSource:
     tokenizer: Path | None  # the source's tokenizer directory (None: it has none to copy)
     tokenizer_hash: str | None  # the tokenizer it was trained with (None: unrecorded)
     where: str  # "train.init_from PATH", for messages
+    read_tokenizer: Tokenizer | None = None  # the tokenizer in ``tokenizer``, as read here: the run need not read it
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the weights into ``model`` (on its device, in its dtype) and let go of this copy."""
@@ -79,10 +83,10 @@ def _from_run(path: Path, where: str) -> InitSource:
 
     model, config = load_for_inference(path)  # a run's newest valid checkpoint, or this one; verified
     directory = run_tokenizer_dir(path, config)
-    tokenizer_hash = config.data.tokenizer_hash
-    if directory is not None:
-        tokenizer_hash = tokenizer_for_run(path, config, None).hash  # refuses a copy that is not the recorded one
-    return InitSource(model.config, model.state_dict(), directory, tokenizer_hash, where)
+    if directory is None:
+        return InitSource(model.config, model.state_dict(), None, config.data.tokenizer_hash, where)
+    tokenizer = tokenizer_for_run(path, config, None)  # refuses a copy that is not the recorded one
+    return InitSource(model.config, model.state_dict(), directory, tokenizer.hash, where, tokenizer)
 
 
 def _from_hf_folder(path: Path, where: str) -> InitSource:
@@ -100,7 +104,7 @@ def _from_hf_folder(path: Path, where: str) -> InitSource:
             from None
     if tokenizer is None:
         return InitSource(model.config, model.state_dict(), None, None, where)
-    return InitSource(model.config, model.state_dict(), path, tokenizer.hash, where)
+    return InitSource(model.config, model.state_dict(), path, tokenizer.hash, where, tokenizer)
 
 
 def _read_hf_model(model_dir: Path) -> nn.Module:

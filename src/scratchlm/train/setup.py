@@ -1,11 +1,14 @@
 """Building a run's pieces: the device and its matmul precision, the token files, the model and its wrapping, the
-optimizer, the run directory. ``train`` calls these in order; the demo and the benchmarks call them directly.
+optimizer, the run directory. ``train`` calls these in one direction (device and run directory; then, through
+resolve.py, the token files and the memory check; then the model and optimizer), each once; the demo and the
+benchmarks call them directly.
 
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
 - ``build_model`` makes the TransformerLM and switches its speed paths on (model/kernels/: the readable model
   stays what a learner reads); ``wrap_model`` applies torch.compile. A data-parallel launcher
   passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
-- The token files are checked once, when opened (the model's vocabulary, the tokenizer's hash, at least one
+- The token files are opened once (``open_token_files``: the train file's header may give the vocabulary) and
+  checked once the vocabulary is known (``check_data``: the model's vocabulary, the tokenizer's hash, at least one
   training window), so the model's per-step token-id check is switched off.
 - A model whose training step cannot fit in the device's free memory is refused before anything is allocated
   (``check_memory_fits``: the accounting estimate against what the device has free), in one line, instead of
@@ -26,6 +29,7 @@ from torch import nn
 
 from scratchlm.accounting.memory import MemoryEstimate, estimate_memory
 from scratchlm.config import DEVICE_PATTERN, RunConfig
+from scratchlm.data.token_file import TokenFile, check_token_file, open_token_file
 from scratchlm.model import TransformerLM, kernels
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.groups import recipe_param_groups
@@ -146,33 +150,40 @@ def _gigabytes(size: int) -> str:
     return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
-def open_data(config: RunConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash."""
-    tokenizer_hash = None
-    if config.data.tokenizer:
-        from scratchlm.tokenizer.tokenizer import Tokenizer
-
-        tokenizer_hash = Tokenizer.load(config.data.tokenizer).hash
-    train = _open_tokens(config.data.train_path, "data.train_path", config, tokenizer_hash)
-    val = _open_tokens(config.data.val_path, "data.val_path", config, tokenizer_hash) if config.data.val_path else None
-    return train, val
+def open_token_files(config: RunConfig) -> tuple[TokenFile | None, TokenFile | None]:
+    """data.train_path and data.val_path opened (header read, ids memory-mapped; None where unset), each once:
+    their vocabulary and tokenizer hash are known only then, so ``check_data`` checks them afterwards."""
+    return _open_tokens(config.data.train_path, "data.train_path"), _open_tokens(config.data.val_path,
+                                                                                  "data.val_path")
 
 
-def _open_tokens(path: str, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
-    from scratchlm.data.token_file import open_token_file
-
+def _open_tokens(path: str, key: str) -> TokenFile | None:
     if not path:
-        raise ValueError(f"{key} is not set: give a token file written by `scratchlm data encode`")
+        return None
     try:
-        tokens = open_token_file(path, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash).tokens
+        return open_token_file(path)
     except FileNotFoundError as error:  # a run moved without its data: say how to give the data's new place
         raise FileNotFoundError(f"{key}: {error} (to train on, a moved or copied run needs --set {key}=FILE)") \
             from None
+
+
+def check_data(config: RunConfig, train: TokenFile | None, val: TokenFile | None,
+               tokenizer_hash: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The train (and validation) token arrays, checked against the model's vocab and the tokenizer's hash
+    (data.tokenizer's; None checks no hash), each holding at least one training window."""
+    if train is None:
+        raise ValueError("data.train_path is not set: give a token file written by `scratchlm data encode`")
+    train_tokens = _checked(train, "data.train_path", config, tokenizer_hash)
+    return train_tokens, _checked(val, "data.val_path", config, tokenizer_hash) if val is not None else None
+
+
+def _checked(opened: TokenFile, key: str, config: RunConfig, tokenizer_hash: str | None) -> np.ndarray:
+    check_token_file(opened, vocab_size=config.model.vocab_size, tokenizer_hash=tokenizer_hash)
     needed = config.model.context_length + 1
-    if len(tokens) < needed:
-        raise ValueError(f"{path} ({key}) holds {len(tokens)} tokens, fewer than model.context_length + 1 = "
-                         f"{needed} needed for one training window")
-    return tokens
+    if opened.num_tokens < needed:
+        raise ValueError(f"{opened.path} ({key}) holds {opened.num_tokens} tokens, fewer than model.context_length "
+                         f"+ 1 = {needed} needed for one training window")
+    return opened.tokens
 
 
 def build_model(config: RunConfig, device: torch.device) -> TransformerLM:

@@ -20,9 +20,14 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scratchlm.config import RunConfig
 from scratchlm.errors import UserError
+
+if TYPE_CHECKING:
+    from scratchlm.data.token_file import TokenFile
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 RUN_TOKENIZER_DIR = "tokenizer"
 
@@ -32,24 +37,20 @@ def short(tokenizer_hash: str) -> str:
     return tokenizer_hash[:16]
 
 
-def bind_tokenizer(config: RunConfig) -> RunConfig:
+def bind_tokenizer(config: RunConfig, tokenizer: Tokenizer | None, train: TokenFile,
+                   val: TokenFile | None) -> RunConfig:
     """``config`` with data.tokenizer_hash set, after checking that everything it names agrees on it: the train
-    and validation token files (even without data.tokenizer), data.tokenizer, and a hash already recorded (a
-    resumed run's config.toml)."""
-    from scratchlm.data.token_file import open_token_file
-
+    and validation token files (even without data.tokenizer), data.tokenizer (``tokenizer``, as loaded), and a
+    hash already recorded (a resumed run's config.toml)."""
     data = config.data
-    train_hash = open_token_file(data.train_path).tokenizer_hash
-    val_hash = open_token_file(data.val_path).tokenizer_hash if data.val_path else None
+    train_hash, val_hash = train.tokenizer_hash, val.tokenizer_hash if val is not None else None
     if train_hash and val_hash and train_hash != val_hash:
         raise UserError(f"data.train_path {data.train_path} was encoded with tokenizer {short(train_hash)} but "
                         f"data.val_path {data.val_path} with tokenizer {short(val_hash)}: encode both with one "
                         f"tokenizer")
     found, source = train_hash or val_hash, "the token files"
-    if data.tokenizer:
-        from scratchlm.tokenizer.tokenizer import Tokenizer
-
-        found, source = Tokenizer.load(data.tokenizer).hash, f"data.tokenizer {data.tokenizer}"
+    if tokenizer is not None:
+        found, source = tokenizer.hash, f"data.tokenizer {data.tokenizer}"
     recorded = data.tokenizer_hash
     if recorded and found and recorded != found:
         raise UserError(f"{source} has tokenizer hash {short(found)}, but this run was trained with tokenizer "
@@ -65,28 +66,41 @@ def check_same_tokenizer(saved: str | None, current: str | None, where: str) -> 
                         f"tokenizer {short(current)}: resume with the original tokenizer and token files")
 
 
-def keep_tokenizer_copy(config: RunConfig, run_dir: Path) -> RunConfig:
-    """Save data.tokenizer as RUN/tokenizer/ (unless that copy already is this tokenizer); return ``config`` with
-    data.tokenizer naming the copy, so the run's config.toml and checkpoints point inside the run."""
-    if not config.data.tokenizer:
+def keep_tokenizer_copy(config: RunConfig, tokenizer: Tokenizer | None, run_dir: Path) -> RunConfig:
+    """Save ``tokenizer`` (data.tokenizer, as loaded) as RUN/tokenizer/ (unless that copy already is this
+    tokenizer); return ``config`` with data.tokenizer naming the copy, so the run's config.toml and checkpoints
+    point inside the run."""
+    if tokenizer is None:
         return config
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
     copy = run_dir / RUN_TOKENIZER_DIR
     if copy.resolve() != Path(config.data.tokenizer).resolve():
-        if copy.is_dir() and Tokenizer.load(copy).hash != config.data.tokenizer_hash:
+        if copy.is_dir() and Tokenizer.load(copy).hash != tokenizer.hash:
             shutil.rmtree(copy)  # a copy from an earlier attempt that never checkpointed (the run lock is held)
         if not copy.is_dir():
-            Tokenizer.load(config.data.tokenizer).save(copy)
+            tokenizer.save(copy)
     return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(copy)))
 
 
 def bind_vocab_size(config: RunConfig) -> RunConfig:
+    """``fit_vocab_size`` for a config whose tokenizer is not read yet (a sweep's point): reads data.tokenizer,
+    else the header of data.train_path."""
+    from scratchlm.data.token_file import open_token_file
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    data = config.data
+    tokenizer = Tokenizer.load(data.tokenizer) if data.tokenizer else None
+    train = open_token_file(data.train_path) if data.train_path and tokenizer is None else None
+    return fit_vocab_size(config, tokenizer, train)
+
+
+def fit_vocab_size(config: RunConfig, tokenizer: Tokenizer | None, train: TokenFile | None) -> RunConfig:
     """``config`` with model.vocab_size set to the tokenizer's when left out, or checked to hold all its ids.
 
-    The tokenizer's size is that of data.tokenizer, else the one data.train_path's header records (the size of
-    the tokenizer that encoded it)."""
-    found, model = _tokenizer_vocab_size(config), config.model
+    The tokenizer's size is that of data.tokenizer (``tokenizer``, as loaded), else the one data.train_path's
+    header records (``train``: the size of the tokenizer that encoded it)."""
+    found, model = _tokenizer_vocab_size(config, tokenizer, train), config.model
     if found is None:
         if model.vocab_size is None:
             raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
@@ -101,17 +115,13 @@ def bind_vocab_size(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, model=model)
 
 
-def _tokenizer_vocab_size(config: RunConfig) -> tuple[int, str] | None:
+def _tokenizer_vocab_size(config: RunConfig, tokenizer: Tokenizer | None,
+                          train: TokenFile | None) -> tuple[int, str] | None:
     """(vocabulary size, where it comes from) of the run's tokenizer; None when the config names none."""
-    data = config.data
-    if data.tokenizer:
-        from scratchlm.tokenizer.tokenizer import Tokenizer
-
-        return Tokenizer.load(data.tokenizer).vocab_size, f"tokenizer {data.tokenizer}"
-    if data.train_path:
-        from scratchlm.data.token_file import open_token_file
-
-        return open_token_file(data.train_path).vocab_size, f"the tokenizer of data.train_path {data.train_path}"
+    if tokenizer is not None:
+        return tokenizer.vocab_size, f"tokenizer {config.data.tokenizer}"
+    if train is not None:
+        return train.vocab_size, f"the tokenizer of data.train_path {config.data.train_path}"
     return None
 
 

@@ -1,7 +1,10 @@
 """The training loop: RunConfig in, a run directory (checkpoints, metrics.jsonl, curves.png, config.toml) out.
 
-Its pieces live beside it: setup.py builds a run (device, data, model, optimizer, run directory) and step.py runs
-one optimizer step and evaluation; this file orders them, and owns the sync points, resume and stopping.
+Its pieces live beside it, and a run starts in one direction, each input read once: setup.py sets up the device and
+the run directory; resolve.py resolves the run (config -> tokenizer -> token files -> budget plan) into a
+ResolvedRun, which holds everything read; the model and optimizer are built from that (setup.py), resumed or
+initialised, and handed to the loop; step.py runs one optimizer step and evaluation. This file orders them, and
+owns the sync points, resume and stopping.
 
 Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
 - ``train`` wraps the plain model with ``wrap`` (``wrap_model``, torch.compile, by default). A data-parallel
@@ -44,41 +47,30 @@ import numpy as np
 import torch
 from torch import nn
 
-from scratchlm.config import RunConfig, TrainConfig, load_config
+from scratchlm.config import RunConfig, TrainConfig
 from scratchlm.data.batches import BatchSampler
 from scratchlm.train import distributed
 from scratchlm.train.allocator import keep_freed_memory
-from scratchlm.train.budget import BudgetClock, LivePlan, plan_budget
+from scratchlm.train.budget import BudgetClock, LivePlan
 from scratchlm.train.checkpoint import CheckpointManager
-from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
+from scratchlm.train.resolve import CONFIG_FILE, ResolvedRun, resolve_run
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
     build_optimizer,
     check_dtype_on_device,
-    check_memory_fits,
     grad_scaler,
-    open_data,
     prepare_run_dir,
     select_device,
     set_matmul_precision,
     wrap_model,
 )
 from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
-from scratchlm.train.tokenizer_identity import (
-    bind_tokenizer,
-    bind_vocab_size,
-    check_same_tokenizer,
-    keep_tokenizer_copy,
-)
+from scratchlm.train.tokenizer_identity import check_same_tokenizer, keep_tokenizer_copy
 
-CONFIG_FILE = "config.toml"
-# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
-PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
 T = TypeVar("T")
 
 
@@ -175,83 +167,35 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
         keep_freed_memory()  # allocator.py: ~20% of a CPU step is page faults otherwise
     if is_main_process:
         prepare_run_dir(run_dir, resume)
-    config, source = _starting_point(config, run_dir, resume, model_overrides)
-    if source is not None and is_main_process and not quiet:
-        print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
-              file=sys.stderr, flush=True)
-    config = bind_vocab_size(config)  # model.vocab_size: the tokenizer's unless set (tokenizer_identity.py)
-    if not force_memory:  # before the budget's probe step builds a model
-        check_memory_fits(config, device, world_size)
-    config = _planned(config, run_dir, resume, quiet or not is_main_process)
+    run = resolve_run(config, resume=resume, device=device, world_size=world_size, model_overrides=model_overrides,
+                      force_memory=force_memory, quiet=quiet or not is_main_process)
     default_threads = torch.get_num_threads()
-    if config.train.threads is not None:
-        torch.set_num_threads(config.train.threads)
+    if run.config.train.threads is not None:
+        torch.set_num_threads(run.config.train.threads)
     try:
-        return _train(config, resume, quiet, wrap, device, rank, world_size, source)
+        return _train(run, resume, quiet, wrap, device, rank, world_size)
     finally:
         torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
 
 
-def _starting_point(config: RunConfig, run_dir: Path, resume: bool,
-                    model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, InitSource | None]:
-    """With train.init_from: the config with the model (and tokenizer) of the weights the run starts from, and the
-    source to load them from; a resume of a run that has checkpoints takes its own model and reads no source."""
-    if not config.train.init_from:
-        return config, None
-    if resume and CheckpointManager(run_dir).checkpoints():
-        saved = run_dir / CONFIG_FILE
-        if saved.is_file():  # else _restore compares config.model with the checkpoint's
-            config = with_model(config, load_config(saved).model, f"run {run_dir}", model_overrides)
-        return config, None
-    source = open_source(config.train.init_from)
-    return adopt(config, source, model_overrides), source
-
-
-def _planned(config: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> RunConfig:
-    """The config with its budget plan: measured now, or on resume the plan the run was started with."""
-    if config.train.budget_seconds is None:
-        return config
-    saved_path = run_dir / CONFIG_FILE
-    if resume and saved_path.is_file():
-        saved = load_config(saved_path)
-        if saved.train.budget_seconds != config.train.budget_seconds:
-            was = "without a budget" if saved.train.budget_seconds is None else \
-                f"for a budget of {saved.train.budget_seconds} s"
-            raise ValueError(f"cannot resume {run_dir}: it was planned {was}, this asks for "
-                             f"{config.train.budget_seconds} s (a budget cannot change mid-run)")
-        planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
-        return config.with_overrides(planned)
-    config, plan = plan_budget(config)
-    config = config.with_overrides([f"train.threads={plan.threads}"])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        shared = [config.to_dict()]  # every rank trains rank 0's plan, so all stop at the same step
-        torch.distributed.broadcast_object_list(shared, src=0)
-        config = RunConfig.from_dict(shared[0])
-    if not quiet:
-        train_tokens, _ = open_data(config)
-        print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
-    return config
-
-
-def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
-           device: torch.device, rank: int, world_size: int, source: InitSource | None) -> TrainResult:
+def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
+           device: torch.device, rank: int, world_size: int) -> TrainResult:
     is_main_process = rank == 0
+    config = run.config
     run_dir = Path(config.train.run_dir)
-    train_tokens, val_tokens = open_data(config)
-    config = bind_tokenizer(config)  # records data.tokenizer_hash (tokenizer_identity.py)
     raw_model = build_model(config, device)
     optimizer = build_optimizer(raw_model, config)
-    sampler = BatchSampler(train_tokens, config.micro_batch_size, config.model.context_length, device,
+    sampler = BatchSampler(run.train_tokens, config.micro_batch_size, config.model.context_length, device,
                            seed=config.train.seed, rank=rank, world_size=world_size)
     checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
     state = LoopState()
     if resume and (path := _resume_point(checkpoints)) is not None:
         state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
-    elif source is not None:
-        source.load_into(raw_model)  # after build_model's seeded init: the RNG then stands where a scratch run's does
+    elif run.source is not None:
+        run.source.load_into(raw_model)  # after build_model's seeded init: the RNG stands where a scratch run's does
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
-        config = keep_tokenizer_copy(config, run_dir)  # data.tokenizer names RUN/tokenizer from here on
+        config = keep_tokenizer_copy(config, run.tokenizer, run_dir)  # data.tokenizer names RUN/tokenizer now
         config.save_toml(run_dir / CONFIG_FILE)  # its paths relative to the run: the run can be moved
     model = wrap(raw_model, config)
     # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
@@ -261,7 +205,7 @@ def _train(config: RunConfig, resume: bool, quiet: bool, wrap: Callable[[nn.Modu
         logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
                                wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
-    loop = _Loop(config, model, raw_model, optimizer, sampler, val_tokens, checkpoints, logger, state, device,
+    loop = _Loop(config, model, raw_model, optimizer, sampler, run.val_tokens, checkpoints, logger, state, device,
                  world_size, quiet)
     try:
         with StopRequest() as stop:

@@ -1,0 +1,123 @@
+"""Resolving a run before its first step: config -> tokenizer -> data -> budget plan, once and in one direction.
+
+``train`` calls ``resolve_run`` once the device and the run directory are set up, and builds the model from what
+it returns (``ResolvedRun``); the loop takes the rest from there. Each input is read once, by the step that needs
+it first, and handed on rather than read again:
+
+1. the config: with train.init_from, the model (and tokenizer) of the weights the run starts from (init_from.py),
+   or on resume the run's own model; a resumed run's config.toml is read once, for that model and its budget plan;
+2. the tokenizer (data.tokenizer), loaded once: its vocabulary size, its hash, and later the run's copy of it;
+3. the token files, opened once: model.vocab_size is bound (the tokenizer's, else the size the train file's header
+   records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
+   the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
+   data.tokenizer_hash is recorded;
+4. the budget plan (budget.py), its probe steps trained on the train tokens opened in 3; under torch.distributed
+   every rank trains rank 0's plan, so all stop at the same step. A resumed run keeps the plan it was started with.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from scratchlm.config import RunConfig, load_config
+from scratchlm.train.budget import plan_budget
+from scratchlm.train.checkpoint import CheckpointManager
+from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
+from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
+from scratchlm.train.tokenizer_identity import bind_tokenizer, fit_vocab_size
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.toml"
+# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
+PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
+                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What a run starts from, each part read once (module docstring)."""
+
+    config: RunConfig  # final: model.vocab_size, data.tokenizer_hash and a budget's plan filled in
+    tokenizer: Tokenizer | None  # data.tokenizer, loaded (None: the config names none)
+    train_tokens: np.ndarray  # opened and checked
+    val_tokens: np.ndarray | None  # None: no data.val_path
+    source: InitSource | None  # train.init_from's weights, on a fresh start from them
+
+
+def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
+                model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool) -> ResolvedRun:
+    """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
+    run starts from nor the budget's plan (rank 0 prints them)."""
+    run_dir = Path(config.train.run_dir)
+    saved_path = run_dir / CONFIG_FILE
+    saved = load_config(saved_path) if resume and saved_path.is_file() else None
+    config, source = _starting_point(config, run_dir, resume, saved, model_overrides)
+    if source is not None and not quiet:
+        print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
+              file=sys.stderr, flush=True)
+    tokenizer = _tokenizer(config, source)
+    train_file, val_file = open_token_files(config)
+    config = fit_vocab_size(config, tokenizer, train_file)
+    if not force_memory:  # before the budget's probe step builds a model
+        check_memory_fits(config, device, world_size)
+    train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
+    config = bind_tokenizer(config, tokenizer, train_file, val_file)
+    config = _planned(config, saved, train_tokens, quiet)
+    return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
+
+
+def _starting_point(config: RunConfig, run_dir: Path, resume: bool, saved: RunConfig | None,
+                    model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, InitSource | None]:
+    """With train.init_from: the config with the model (and tokenizer) of the weights the run starts from, and the
+    source to load them from; a resume of a run that has checkpoints takes its own model (``saved``, the run's
+    config.toml) and reads no source."""
+    if not config.train.init_from:
+        return config, None
+    if resume and CheckpointManager(run_dir).checkpoints():
+        if saved is not None:  # else _restore compares config.model with the checkpoint's
+            config = with_model(config, saved.model, f"run {run_dir}", model_overrides)
+        return config, None
+    source = open_source(config.train.init_from)
+    return adopt(config, source, model_overrides), source
+
+
+def _tokenizer(config: RunConfig, source: InitSource | None) -> Tokenizer | None:
+    """data.tokenizer, loaded; the one train.init_from read when it is the source's (``adopt`` put it there)."""
+    from scratchlm.tokenizer.tokenizer import Tokenizer
+
+    if source is not None and source.tokenizer is not None and config.data.tokenizer == str(source.tokenizer):
+        return source.read_tokenizer
+    return Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
+
+
+def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool) -> RunConfig:
+    """The config with its budget plan: measured now on ``train_tokens``, or on resume (``saved``, the run's
+    config.toml) the plan the run was started with."""
+    if config.train.budget_seconds is None:
+        return config
+    if saved is not None:
+        if saved.train.budget_seconds != config.train.budget_seconds:
+            was = "without a budget" if saved.train.budget_seconds is None else \
+                f"for a budget of {saved.train.budget_seconds} s"
+            raise ValueError(f"cannot resume {Path(config.train.run_dir)}: it was planned {was}, this asks for "
+                             f"{config.train.budget_seconds} s (a budget cannot change mid-run)")
+        planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
+        return config.with_overrides(planned)
+    config, plan = plan_budget(config, train_tokens)
+    config = config.with_overrides([f"train.threads={plan.threads}"])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        shared = [config.to_dict()]  # every rank trains rank 0's plan, so all stop at the same step
+        torch.distributed.broadcast_object_list(shared, src=0)
+        config = RunConfig.from_dict(shared[0])
+    if not quiet:
+        print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
+    return config
