@@ -432,6 +432,12 @@ SCRATCHLM_FILE = "scratchlm-tokenizer.json"
      r"merge #1 \[0, 1\] is not a pair of ids in the vocab"),
     (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61", "62"], "merges": [0, 1.0], "special_tokens": []}',
      r"merge #0 \[0, 1.0\]"),
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61"], "merges": [], "special_tokens": ["a"], '
+                     '"added_token_flags": {"a": {"special": 0, "normalized": true}}}',
+     "added_token_flags of 'a' is"),
+    (SCRATCHLM_FILE, '{"format_version": 2, "vocab": ["61"], "merges": [], "special_tokens": [], '
+                     '"added_token_flags": {"a": {"special": false, "normalized": true}}}',
+     "added-token flags given for 'a', which is not a special token"),
 ])
 def test_malformed_scratchlm_files_are_refused(tmp_path, name, content, message):
     (tmp_path / name).write_text(content, encoding="utf-8")
