@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,18 @@ def require_shared(relative: str) -> Path:
     return path
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to count inside the block and put back after it, so a test that needs a thread
+    count of its own leaves its neighbours the count they expect."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def gpt2_files() -> tuple[Path, Path]:
     """(vocab.json, merges.txt) of the real GPT-2 tokenizer."""
@@ -39,20 +53,16 @@ def hf_offline_one_thread(monkeypatch):
     """No Hub access (every Hugging Face model and tokenizer here is built locally) and one intra-op thread, for
     comparisons with transformers that must not depend on how a matmul is split across threads."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
 def one_thread_module():
     """One intra-op thread for a whole module: tiny matmuls on a busy 2-core machine run ~50x faster than two threads
     spin-waiting, and bitwise-comparable losses across runs need equal thread counts (tests/test_trainer.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torch_threads
 from scratchlm.cli import main as cli_main
 from scratchlm.config import load_config
 from scratchlm.data.token_file import open_token_file, write_token_file
@@ -39,12 +40,8 @@ def run(tmp_path_factory) -> dict[str, Path]:
         f"model.vocab_size={tokenizer.vocab_size}", "data.batch_size=4", f"train.run_dir={folder / 'run'}",
         "train.max_steps=6", "train.eval_every=6", "train.eval_batches=1", "train.checkpoint_every=6",
         "optim.warmup_iters=1"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert train(config, quiet=True).status == "finished"
-    finally:
-        torch.set_num_threads(threads)
     return {"run": folder / "run", "tokens": folder / "t.tok", "tokenizer": folder / "tok"}
 
 
