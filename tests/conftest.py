@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from scratchlm.paths import DATA_DIR_ENV, describe_search, shared_data_file
+from scratchlm.tokenizer import Tokenizer
 
 # One intra-op thread per test process: the suite runs under pytest-xdist on 2 cores, and oversubscribed
 # OpenMP threads slow every test several-fold.
@@ -37,10 +38,20 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def gpt2_file_paths() -> tuple[Path, Path]:
+    """(vocab.json, merges.txt) of the real GPT-2 tokenizer, or skip as require_shared does."""
+    return require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+
+
+def gpt2_tokenizer(*, fast: bool = True) -> Tokenizer:
+    """The real GPT-2 tokenizer with <|endoftext|>; fast=False encodes through the readable encoder (the oracle)."""
+    return Tokenizer.from_files(*gpt2_file_paths(), ["<|endoftext|>"], fast=fast)
+
+
 @pytest.fixture
 def gpt2_files() -> tuple[Path, Path]:
     """(vocab.json, merges.txt) of the real GPT-2 tokenizer."""
-    return require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+    return gpt2_file_paths()
 
 
 @pytest.fixture

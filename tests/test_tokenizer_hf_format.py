@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import require_shared
+from conftest import gpt2_file_paths, require_shared
 from scratchlm.cli import main
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, is_hf_document, write_hf_tokenizer
@@ -255,7 +255,7 @@ def gpt2_hf(gpt2_paths):
 
 @pytest.fixture(scope="module")
 def gpt2_paths() -> tuple[Path, Path]:
-    return require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+    return gpt2_file_paths()
 
 
 def test_gpt2_files_load_with_hf_ids_and_save_an_equal_hf_file(gpt2_hf, gpt2_paths, tmp_path):
