@@ -18,8 +18,8 @@
 # kept afterwards; the installs then take seconds): for iterating on this script, not for CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/venv.sh
 REPO="$PWD"
-PYTHON="${PYTHON:-python3}"
 LM_EVAL="${SCRATCHLM_LM_EVAL:-lm-eval[hf,api]==0.4.13}"  # [api]: local-completions (aiohttp, tenacity, ...)
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/scratchlm-lm-eval.XXXXXX")"
 VENV="${SCRATCHLM_LM_EVAL_VENV:-$WORK/venv}"
@@ -29,17 +29,12 @@ cleanup() {
     [ -n "${KEEP:-}" ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
-PIP=(--quiet --disable-pip-version-check)
 SECONDS=0
 stage() { echo "check_lm_eval: [${SECONDS}s] $*"; }
 fail() { echo "check_lm_eval: FAILED: $*" >&2; exit 1; }
 
 stage "installing torch, then $LM_EVAL and scratchlm[hf,serve] into $VENV"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-TORCH_INDEX=()
-[ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
-"$VENV/bin/python" -m pip install "${PIP[@]}" "${TORCH_INDEX[@]}" "${SCRATCHLM_TORCH:-torch==2.13.0}"
-"$VENV/bin/python" -m pip install "${PIP[@]}" "$LM_EVAL" -e "$REPO[hf,serve]"
+make_venv "$VENV" "$LM_EVAL" -e "$REPO[hf,serve]"
 SCRATCHLM="$VENV/bin/scratchlm"
 
 stage "a tokenizer and a tiny run, exported as a Hugging Face Llama"

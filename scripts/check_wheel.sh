@@ -12,6 +12,7 @@
 # the end; KEEP=1 keeps it). Prints the seconds each stage took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/venv.sh
 REPO="$PWD"
 PYTHON="${PYTHON:-python3}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/scratchlm-wheel.XXXXXX")"
@@ -29,12 +30,8 @@ stage "building the wheel in $WORK"
 WHEEL="$(ls "$WORK"/dist/scratchlm-*.whl)"
 
 stage "installing torch, then $(basename "$WHEEL") with no extras"
-"$PYTHON" -m venv "$WORK/venv"  # a plain venv sees no system site-packages
+make_venv "$WORK/venv" "$WHEEL"  # a plain venv sees no system site-packages
 VENV_PY="$WORK/venv/bin/python"
-TORCH_INDEX=()
-[ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
-"$VENV_PY" -m pip install "${PIP[@]}" "${TORCH_INDEX[@]}" "${SCRATCHLM_TORCH:-torch==2.13.0}"
-"$VENV_PY" -m pip install "${PIP[@]}" "$WHEEL"
 for extra_only in matplotlib transformers tokenizers huggingface_hub tensorboard wandb psutil; do
     if "$VENV_PY" -c "import $extra_only" 2>/dev/null; then fail "$extra_only came with a plain install"; fi
 done

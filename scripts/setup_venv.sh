@@ -12,14 +12,10 @@
 # SCRATCHLM_TORCH replaces the requirement itself (default torch==2.13.0). The build installed is printed at
 # the end (version, and the CUDA version compiled in or "CPU only"), so a surprise is visible.
 set -euo pipefail
+# Every other script that makes a venv does it through the same scripts/lib/venv.sh.
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-TORCH_INDEX=()
-[ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "${TORCH_INDEX[@]}" \
-    "${SCRATCHLM_TORCH:-torch==2.13.0}"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+source scripts/lib/venv.sh
+make_venv .venv -e ".[test]"
 .venv/bin/python -c 'import torch
 print(f"setup_venv: torch {torch.__version__},",
       f"CUDA {torch.version.cuda} compiled in" if torch.version.cuda else "CPU only (no CUDA compiled in)")'

@@ -8,22 +8,13 @@
 # Each venv gets torch exactly as scripts/setup_venv.sh installs it. Run after scripts/setup_venv.sh (CI does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+source scripts/lib/venv.sh
 TRANSFORMERS4="${SCRATCHLM_TRANSFORMERS4:-transformers==4.57.1}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/scratchlm-transformers.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-PIP=(--quiet --disable-pip-version-check)
-TORCH_INDEX=()
-[ -z "${SCRATCHLM_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$SCRATCHLM_TORCH_INDEX_URL")
 
 FLOOR="$(sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml | head -n 1)"
 [ -n "$FLOOR" ] || { echo "test_transformers_versions: no transformers>= floor in pyproject.toml" >&2; exit 1; }
-
-make_venv() {  # make_venv DIR REQUIREMENT...: a fresh venv with torch first, then the requirements
-    "$PYTHON" -m venv "$1"
-    "$1/bin/python" -m pip install "${PIP[@]}" "${TORCH_INDEX[@]}" "${SCRATCHLM_TORCH:-torch==2.13.0}"
-    "$1/bin/python" -m pip install "${PIP[@]}" "${@:2}"
-}
 
 echo "test_transformers_versions: transformers==$FLOOR (the floor) runs the HF tests"
 make_venv "$WORK/floor" -e ".[test]" "transformers==$FLOOR"

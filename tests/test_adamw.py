@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lockstep import take_steps
 from scratchlm.optim.adamw import AdamW, param_groups_for
 
 
@@ -78,11 +79,7 @@ def test_foreach_path_equals_single_tensor_path_with_mixed_dtypes():
 
     a_params, b_params = mixed(3), mixed(3)
     a, b = AdamW(a_params, lr=1e-2, foreach=True), AdamW(b_params, lr=1e-2, foreach=False)
-    for step in range(30):
-        set_grads(a_params, step, 3)
-        set_grads(b_params, step, 3)
-        a.step()
-        b.step()
+    take_steps(set_grads, range(30), 3, (a, a_params), (b, b_params))
     for x, y in zip(a_params, b_params):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
@@ -90,18 +87,12 @@ def test_foreach_path_equals_single_tensor_path_with_mixed_dtypes():
 def test_state_dict_round_trip_continues_identically():
     params = make_params(5)
     opt = AdamW(params, lr=1e-2, weight_decay=0.1)
-    for step in range(10):
-        set_grads(params, step, 5)
-        opt.step()
+    take_steps(set_grads, range(10), 5, (opt, params))
     saved_params, saved_state = copy.deepcopy(params), copy.deepcopy(opt.state_dict())
-    for step in range(10, 20):
-        set_grads(params, step, 5)
-        opt.step()
+    take_steps(set_grads, range(10, 20), 5, (opt, params))
     resumed = AdamW(saved_params, lr=1e-2, weight_decay=0.1)
     resumed.load_state_dict(saved_state)
-    for step in range(10, 20):
-        set_grads(saved_params, step, 5)
-        resumed.step()
+    take_steps(set_grads, range(10, 20), 5, (resumed, saved_params))
     for x, y in zip(params, saved_params):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
@@ -109,17 +100,11 @@ def test_state_dict_round_trip_continues_identically():
 def test_torch_state_dict_loads_into_ours():
     ours_params, theirs_params = make_params(9), make_params(9)
     theirs = torch.optim.AdamW(theirs_params, lr=1e-2)
-    for step in range(5):
-        set_grads(theirs_params, step, 9)
-        theirs.step()
+    take_steps(set_grads, range(5), 9, (theirs, theirs_params))
     ours_params = [nn.Parameter(p.detach().clone()) for p in theirs_params]
     ours = AdamW(ours_params, lr=1e-2)
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))  # load_state_dict may alias the tensors
-    for step in range(5, 15):
-        set_grads(ours_params, step, 9)
-        set_grads(theirs_params, step, 9)
-        ours.step()
-        theirs.step()
+    take_steps(set_grads, range(5, 15), 9, (ours, ours_params), (theirs, theirs_params))
     for x, y in zip(ours_params, theirs_params):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 

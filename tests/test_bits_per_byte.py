@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import require_shared
+from conftest import gpt2_tokenizer
 from scratchlm.model import TransformerLM
 from scratchlm.model.config import ModelConfig
 from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -91,8 +91,7 @@ def test_byte_lengths_are_decoded_lengths_and_specials_one_byte():
 
 
 def test_byte_lengths_of_gpt2_on_random_ids():
-    vocab_path = require_shared("fixtures/gpt2_vocab.json")
-    tokenizer = Tokenizer.from_files(vocab_path, require_shared("fixtures/gpt2_merges.txt"), [EOT])
+    tokenizer = gpt2_tokenizer()
     lengths = token_byte_lengths(tokenizer)
     eot = tokenizer.special_id(EOT)
     ids = np.random.default_rng(1).integers(0, tokenizer.vocab_size, size=5000).tolist() + [eot, eot]

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import require_shared
+from conftest import gpt2_tokenizer, require_shared
 from scratchlm.cli import main
 from scratchlm.data import encode as encode_module
 from scratchlm.data.encode import SAMPLE_CHARS, _first_texts, _plan_ranges, encode_corpus
@@ -24,8 +24,7 @@ TRICKY = ("Hi  \n\n  there\r\n\r\nx\ny 😀\n日本\n" + EOT + "\nOnce\n\n\n   \
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    vocab, merges = require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
-    return Tokenizer.from_files(vocab, merges, [EOT]).save(tmp_path_factory.mktemp("gpt2"))
+    return gpt2_tokenizer().save(tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture(scope="module")

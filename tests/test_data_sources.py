@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import require_shared
+from conftest import gpt2_tokenizer
 from document_files import write_jsonl, write_parquet, write_zst
 from scratchlm.cli import main
 from scratchlm.data.encode import encode_corpus
@@ -26,8 +26,7 @@ DOCUMENTS = ["Once upon a time, a cat.\n", "  Leading spaces\n\nand a paragraph 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    vocab, merges = require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
-    return Tokenizer.from_files(vocab, merges, [EOT])
+    return gpt2_tokenizer()
 
 
 def _expected(tokenizer, documents, end_of_text=True):

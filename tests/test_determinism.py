@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from conftest import torch_threads
 from scratchlm.config import load_config
 from scratchlm.data.token_file import write_token_file
 from scratchlm.train.trainer import train
@@ -31,16 +31,12 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 
 def _losses(data: dict[str, Path], run_dir: Path, threads: int) -> list[float]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         config = load_config(CONFIGS / "tiny.toml", [
             f"data.train_path={data['train']}", f"data.val_path={data['val']}", f"train.run_dir={run_dir}",
             "data.batch_size=4", "train.max_steps=8", "train.log_every=1", "train.eval_every=8",
             "train.checkpoint_every=8"])
         assert train(config, quiet=True).status == "finished"
-    finally:
-        torch.set_num_threads(previous)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 

@@ -13,39 +13,20 @@ import pytest
 import torch
 
 from scratchlm.cli import main as cli_main
-from scratchlm.config import load_config
-from scratchlm.data.token_file import open_token_file, write_token_file
+from scratchlm.data.token_file import open_token_file
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.train.checkpoint import load_for_inference
 from scratchlm.train.step import evaluate
-from scratchlm.train.trainer import train
+from tiny_runs import text_tokenizer, train_tiny_run
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TEXT = "the cat sat on the mat. a dog ran to the park! we like red apples.<|endoftext|>" * 40
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("bpb")
-    (folder / "text.txt").write_text(TEXT, encoding="utf-8")
-    vocab, merges = train_bpe(str(folder / "text.txt"), 300, ["<|endoftext|>"])
-    tokenizer = Tokenizer(vocab, merges, ["<|endoftext|>"])
-    tokenizer.save(folder / "tok")
-    write_token_file(folder / "t.tok", tokenizer.encode(TEXT), vocab_size=tokenizer.vocab_size,
-                     tokenizer_hash=tokenizer.hash)
-    config = load_config(CONFIGS / "tiny.toml", [
-        f"data.train_path={folder / 't.tok'}", f"data.val_path={folder / 't.tok'}", f"data.tokenizer={folder / 'tok'}",
-        f"model.vocab_size={tokenizer.vocab_size}", "data.batch_size=4", f"train.run_dir={folder / 'run'}",
-        "train.max_steps=6", "train.eval_every=6", "train.eval_batches=1", "train.checkpoint_every=6",
-        "optim.warmup_iters=1"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert train(config, quiet=True).status == "finished"
-    finally:
-        torch.set_num_threads(threads)
-    return {"run": folder / "run", "tokens": folder / "t.tok", "tokenizer": folder / "tok"}
+    run_dir = train_tiny_run(folder, text_tokenizer(folder, TEXT), TEXT, steps=6, batch_size=4)
+    return {"run": run_dir, "tokens": folder / "t.tok", "tokenizer": folder / "tok"}
 
 
 def eval_line(run: dict[str, Path], capsys, *extra: str) -> tuple[str, str]:

@@ -18,26 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.cli import main as cli_main
-from scratchlm.config import load_config
-from scratchlm.data.token_file import write_token_file
 from scratchlm.model import TransformerLM
 from scratchlm.model.config import ModelConfig
 from scratchlm.tokenizer.tokenizer import Tokenizer
-from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.train.loglikelihood import Request, encode_request, read_requests, score_requests, score_tokens
-from scratchlm.train.trainer import train
+from tiny_runs import text_tokenizer, train_tiny_run
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TEXT = "the cat sat on the mat. there the dog ran to the park! we like red apples.<|endoftext|>" * 40
 CONTEXT_LENGTH = 16
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("tok") / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
-    vocab, merges = train_bpe(str(path), 300, ["<|endoftext|>"])
-    return Tokenizer(vocab, merges, ["<|endoftext|>"])
+    return text_tokenizer(tmp_path_factory.mktemp("tok"), TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +146,7 @@ def test_a_file_without_requests_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tokenizer) -> Path:
-    folder = tmp_path_factory.mktemp("continuations")
-    tokenizer.save(folder / "tok")
-    write_token_file(folder / "t.tok", tokenizer.encode(TEXT), vocab_size=tokenizer.vocab_size,
-                     tokenizer_hash=tokenizer.hash)
-    config = load_config(CONFIGS / "tiny.toml", [
-        f"data.train_path={folder / 't.tok'}", f"data.val_path={folder / 't.tok'}", f"data.tokenizer={folder / 'tok'}",
-        f"model.vocab_size={tokenizer.vocab_size}", "data.batch_size=2", f"train.run_dir={folder / 'run'}",
-        "train.max_steps=2", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
-        "optim.warmup_iters=1"])
-    assert train(config, quiet=True).status == "finished"
-    return folder / "run"
+    return train_tiny_run(tmp_path_factory.mktemp("continuations"), tokenizer, TEXT, steps=2, batch_size=2)
 
 
 def test_cli_prints_and_writes_the_library_scores(run, tmp_path, capsys):

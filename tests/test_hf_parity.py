@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from conftest import torch_threads
 from hf_models import COMMON, HF_SHAPES, hf_config, hf_model, randomize_vectors, rope
 from scratchlm.compat.hf import (
     choose_architecture,
@@ -50,10 +51,8 @@ OURS = {
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # these matmuls are tiny: more threads only contend on a shared machine
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):  # these matmuls are tiny: more threads only contend on a shared machine
+        yield
 
 
 def _ours_of(hf) -> TransformerLM:

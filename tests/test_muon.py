@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from lockstep import take_steps
 from scratchlm.optim import muon as muon_module
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.hybrid import MuonAdamW
@@ -119,11 +120,7 @@ def test_foreach_path_equals_single_tensor_path_with_mixed_dtypes():
 
     a_params, b_params = mixed(5), mixed(5)
     a, b = Muon(a_params, lr=0.02, foreach=True), Muon(b_params, lr=0.02, foreach=False)
-    for step in range(15):
-        set_grads(a_params, step, 5)
-        set_grads(b_params, step, 5)
-        a.step()
-        b.step()
+    take_steps(set_grads, range(15), 5, (a, a_params), (b, b_params))
     assert_same(a_params, b_params)
 
 
@@ -183,17 +180,11 @@ def test_newton_schulz_of_zero_is_zero():
 def test_state_dict_interchanges_with_torch():
     theirs_params = make_params(6)
     theirs = torch.optim.Muon(theirs_params, lr=0.02)
-    for step in range(5):
-        set_grads(theirs_params, step, 6)
-        theirs.step()
+    take_steps(set_grads, range(5), 6, (theirs, theirs_params))
     ours_params = [nn.Parameter(p.detach().clone()) for p in theirs_params]
     ours = Muon(ours_params, lr=0.02)
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
-    for step in range(5, 15):
-        set_grads(ours_params, step, 6)
-        set_grads(theirs_params, step, 6)
-        ours.step()
-        theirs.step()
+    take_steps(set_grads, range(5, 15), 6, (ours, ours_params), (theirs, theirs_params))
     assert_same(ours_params, theirs_params)
 
 
@@ -328,9 +319,7 @@ def test_hybrid_resumes_through_the_checkpoint_manager(tmp_path):
     model = nn.Module()
     model.weights = nn.ParameterList(params)
     opt = build_hybrid(params)
-    for step in range(4):
-        set_grads(params, step, 10)
-        opt.step()
+    take_steps(set_grads, range(4), 10, (opt, params))
     manager = CheckpointManager(tmp_path)
     path = manager.save(4, model, opt, config={}, sampler_state={})
     restored_params = make_params(11, HYBRID_SHAPES)
@@ -339,9 +328,5 @@ def test_hybrid_resumes_through_the_checkpoint_manager(tmp_path):
     restored = build_hybrid(restored_params)
     manager.load(path, restored_model, restored)
     assert [g["lr_scale"] for g in restored.param_groups] == [1.0, 0.1, 0.1]
-    for step in range(4, 10):
-        set_grads(params, step, 10)
-        set_grads(restored_params, step, 10)
-        opt.step()
-        restored.step()
+    take_steps(set_grads, range(4, 10), 10, (opt, params), (restored, restored_params))
     assert_same(params, restored_params)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from conftest import torch_threads
 from scratchlm.cli import main as cli_main
 from scratchlm.config import load_config
 from scratchlm.data.token_file import write_token_file
@@ -87,12 +87,8 @@ def test_training_without_matplotlib_warns_once_and_draws_nothing(tmp_path, monk
         f"train.run_dir={tmp_path / 'run'}", "train.max_steps=4", "train.log_every=2", "train.eval_every=2",
         "train.eval_batches=1", "train.checkpoint_every=4", "optim.warmup_iters=1"])
     hide(monkeypatch, "matplotlib", "matplotlib.pyplot")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         result = train(config, quiet=True)
-    finally:
-        torch.set_num_threads(threads)
     assert result.status == "finished" and result.final_step == 4
     warnings = [line for line in capsys.readouterr().err.splitlines() if "matplotlib" in line]
     assert warnings == ["scratchlm: warning: matplotlib is not installed, so no curves.png is drawn "

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import require_shared
+from conftest import gpt2_tokenizer, require_shared
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.bpe import ReadableBPE, bpe_merge
 from scratchlm.tokenizer.fast import CachedBPE, long_merge
 from scratchlm.tokenizer.fast.merge import merge_by_scan, merge_with_heap
 from scratchlm.tokenizer.pretokenize import pretokens
-from test_tokenizer import ADVERSARIAL, EOT, PIECES, _random_merge_table, gpt2_tiktoken
+from test_tokenizer import ADVERSARIAL, PIECES, _random_merge_table, gpt2_tiktoken
 
 SETTINGS = settings(max_examples=100, deadline=None)
 # The readable merge is O(n^2) in a pre-token's length: adversarial texts with longer pre-tokens are the fast path's.
@@ -28,8 +28,7 @@ piece_text = st.lists(st.sampled_from(PIECES), max_size=60).map("".join)
 
 @pytest.fixture(scope="module")
 def readable() -> Tokenizer:
-    return Tokenizer.from_files(require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt"),
-                                [EOT], fast=False)
+    return gpt2_tokenizer(fast=False)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import require_shared
+from conftest import gpt2_tokenizer, require_shared
 from scratchlm.cli import main
 from scratchlm.extras import MissingExtra
 from scratchlm.tokenizer import Tokenizer, train_bpe
@@ -32,8 +32,7 @@ LONG_ADVERSARIAL = [t for t in ADVERSARIAL if t not in SHORT_ADVERSARIAL]
 @pytest.fixture(scope="module")
 def gpt2() -> Tokenizer:
     """GPT-2's tokenizer through the readable encoder: the oracle."""
-    return Tokenizer.from_files(require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt"),
-                                [EOT], fast=False)
+    return gpt2_tokenizer(fast=False)
 
 
 @pytest.fixture(scope="module")

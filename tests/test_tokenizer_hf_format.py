@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import require_shared
+from conftest import gpt2_file_paths, require_shared
 from scratchlm.cli import main
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, is_hf_document, write_hf_tokenizer
@@ -221,6 +221,26 @@ def test_hf_trained_tokenizer_gives_hf_ids_on_any_text(hf_trained, ours_of_hf_tr
     assert ours_of_hf_trained.encode(text) == _hf_ids(hf_trained[0], text)
 
 
+def test_hf_added_tokens_keep_their_flags_through_load_and_save(hf_trained, ours_of_hf_trained, tmp_path):
+    """A plain added token ("big dog": special false, normalized true) is written back plain, not as a special one:
+    HF's decode(skip_special_tokens=True) keeps it and transformers does not list it among the special tokens. The
+    flags live in scratchlm's own file too, so a second load and save (which reads that file) keeps them."""
+    hf, folder = hf_trained
+    original = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    once = ours_of_hf_trained.save(tmp_path / "once")
+    twice = Tokenizer.load(once).save(tmp_path / "twice")
+    text = f"the big dog{EOT}a big  dog<|im_start|>big dog"
+    for saved in (once, twice):
+        assert json.loads((saved / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"] == original
+        resaved = hf_tokenizers.Tokenizer.from_file(str(saved / "tokenizer.json"))
+        ids = _hf_ids(hf, text)
+        assert _hf_ids(resaved, text) == ids
+        assert resaved.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(saved / "tokenizer.json"))
+        assert fast.all_special_tokens == [] and "big dog" in fast.decode(ids, skip_special_tokens=True)
+    assert Tokenizer.load(twice).hash == ours_of_hf_trained.hash
+
+
 @pytest.fixture(scope="module")
 def gpt2_hf(gpt2_paths):
     """HF's GPT-2 built from GPT-2's own files (the oracle), as `tokenizers` documents it."""
@@ -235,7 +255,7 @@ def gpt2_hf(gpt2_paths):
 
 @pytest.fixture(scope="module")
 def gpt2_paths() -> tuple[Path, Path]:
-    return require_shared("fixtures/gpt2_vocab.json"), require_shared("fixtures/gpt2_merges.txt")
+    return gpt2_file_paths()
 
 
 def test_gpt2_files_load_with_hf_ids_and_save_an_equal_hf_file(gpt2_hf, gpt2_paths, tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
 from scratchlm.cli import main as cli_main
 from scratchlm.config import RunConfig, load_config
 from scratchlm.data.token_file import write_token_file
@@ -46,10 +47,8 @@ GOLDEN_LOSSES = [5.727898120880127, 5.673134803771973, 5.522216796875, 5.2981133
 def one_thread():
     """One intra-op thread, here and in the subprocesses (OMP_NUM_THREADS=1): equal thread counts make runs in
     different processes bitwise comparable, and one thread is fastest on a small, busy CI machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def corpus(num_sentences: int, seed: int) -> np.ndarray:

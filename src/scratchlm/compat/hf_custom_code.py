@@ -71,4 +71,5 @@ def export_custom_code(model, tokenizer, out: Path) -> None:
                 (out / name).write_bytes(templates.joinpath(name).read_bytes())
         with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens,
+                           added_token_flags=tokenizer.added_token_flags)

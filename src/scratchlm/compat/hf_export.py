@@ -55,4 +55,5 @@ def _write_standard(model, tokenizer, out: Path, model_type: str) -> None:
             path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, tokenizer.pipeline)
+        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, tokenizer.pipeline,
+                           added_token_flags=tokenizer.added_token_flags)

@@ -20,6 +20,16 @@ from scratchlm.serve.limits import Limits
 
 API_KEY_ENV = "SCRATCHLM_API_KEY"
 LOOPBACK_NAMES = {"localhost"}
+# The Limits fields with a flag (max_batch is --max-batch), in the order --help lists them, and what each means.
+# max_logprobs has no flag: it keeps its default.
+LIMIT_FLAGS = {
+    "max_batch": "sequences decoded together",
+    "max_queue": "sequences waiting for a slot before requests get 429",
+    "max_tokens": "largest max_tokens a request may ask",
+    "max_body_bytes": "largest request body",
+    "max_choices": "prompts x n in one request",
+    "request_timeout": "seconds a request may take",
+}
 
 EPILOG = f"""examples:
   scratchlm serve runs/demo                          # http://127.0.0.1:8000 (playground at /)
@@ -54,18 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-batch", type=int, default=defaults.max_batch,
-                        help=f"sequences decoded together (default: {defaults.max_batch})")
-    limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
-                        help=f"sequences waiting for a slot before requests get 429 (default: {defaults.max_queue})")
-    limits.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                        help=f"largest max_tokens a request may ask (default: {defaults.max_tokens})")
-    limits.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
-                        help=f"largest request body (default: {defaults.max_body_bytes})")
-    limits.add_argument("--max-choices", type=int, default=defaults.max_choices,
-                        help=f"prompts x n in one request (default: {defaults.max_choices})")
-    limits.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
-                        help=f"seconds a request may take (default: {defaults.request_timeout:g})")
+    for name, meaning in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        shown = f"{default:g}" if isinstance(default, float) else default
+        limits.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                            help=f"{meaning} (default: {shown})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: info)")
     parser.set_defaults(func=run_serve)
@@ -95,9 +98,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     try:
-        limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_batch=args.max_batch,
-                        max_queue=args.max_queue, max_choices=args.max_choices, request_timeout=args.request_timeout)
-    except ValueError as error:
+        limits = Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    except ValueError as error:  # "limit max_batch must be ..." names the field: say the flag
         raise UserError(str(error).replace("limit ", "--").replace("_", "-")) from None
     if args.threads is not None:
         if args.threads < 1:

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from scratchlm.tokenizer.added_tokens import FlagsByToken
 from scratchlm.tokenizer.hf_format import (
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
@@ -50,13 +51,13 @@ from scratchlm.tokenizer.io import (
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import made_folder
 
-TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline]  # what every reader returns
+TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]  # what every reader returns
 
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
-    """(vocab, merges, special tokens, pipeline) from a tokenizer folder, its files tried in the order the module
-    describes."""
+    """(vocab, merges, special tokens, pipeline, added-token flags) from a tokenizer folder, its files tried in the
+    order the module describes."""
     directory = Path(directory)
     if directory.is_file():
         raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
@@ -70,7 +71,7 @@ def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
         return read_tokenizer_json(directory / HF_TOKENIZER_FILE)
     if (directory / GPT2_VOCAB_FILE).exists() and (directory / GPT2_MERGES_FILE).exists():
         vocab, merges = read_gpt2_files(directory / GPT2_VOCAB_FILE, directory / GPT2_MERGES_FILE)
-        return vocab, merges, [], GPT2_PIPELINE
+        return vocab, merges, [], GPT2_PIPELINE, {}
     raise FileNotFoundError(f"{directory} holds no tokenizer: expected {SCRATCHLM_FILE}, a Hugging Face "
                             f"{HF_TOKENIZER_FILE}, or {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} (write one with "
                             "`scratchlm tokenizer train`)")
@@ -92,7 +93,7 @@ def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None)
         raise ValueError(f"{vocab_path} is a tokenizer file that holds its own merges; pass no merges file "
                          f"(got {merges_path})")
     vocab, merges = read_gpt2_files(vocab_path, merges_path)
-    return vocab, merges, [], GPT2_PIPELINE
+    return vocab, merges, [], GPT2_PIPELINE, {}
 
 
 def _parse_single_file(document: object, path: Path) -> TokenizerParts:
@@ -106,16 +107,18 @@ def _parse_single_file(document: object, path: Path) -> TokenizerParts:
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                        pipeline: Pipeline = GPT2_PIPELINE) -> Path:
+                        pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> Path:
     """Write the three formats into directory (created if needed); returns it.
 
     scratchlm-tokenizer.json is written first: it is what ``load`` reads first, so a failure while writing the
     others never leaves a folder that loads as another tokenizer (the GPT-2 pair alone has no special tokens).
     """
     with made_folder(directory) as directory:
-        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline)
+        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline,
+                             added_token_flags=added_token_flags)
         _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
-                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline))
+                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline,
+                                                                added_token_flags=added_token_flags))
         if pipeline == GPT2_PIPELINE:
             _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
                                          lambda: write_gpt2_files(directory, vocab, merges))

@@ -4,7 +4,8 @@ A tokenizer.json (documented with HF ``tokenizers``' serialization) describes a 
 normalizer, a pre-tokenizer, a model, a decoder. Ours is written as plain JSON (no ``tokenizers`` or
 ``transformers`` needed to save), from the tokenizer's ``pipeline.Pipeline``::
 
-    added_tokens   our special tokens, matched on the raw text before anything else, each with its id
+    added_tokens   our special tokens, matched on the raw text before anything else, each with its id and its
+                   special and normalized flags (added_tokens.py: special true, normalized false unless read so)
     normalizer     null: the text is not changed; or NFC
     pre_tokenizer  GPT-2's pattern: ByteLevel with use_regex (the GPT-2 split pattern, as ours in pretokenize.py)
                    and no prefix space. Any other pattern: a Sequence of Split (the pattern as a Regex, behavior
@@ -37,6 +38,7 @@ import json
 import re
 from pathlib import Path
 
+from scratchlm.tokenizer.added_tokens import OURS, AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.io import (
     FormatCannotHold,
     Merges,
@@ -61,26 +63,29 @@ class UnsupportedHFTokenizer(ValueError):
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                       pipeline: Pipeline = GPT2_PIPELINE) -> None:
+                       pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> None:
     """tokenizer.json + tokenizer_config.json in directory; FormatCannotHold (before writing) when no tokenizer.json
     encodes exactly as this tokenizer does."""
-    document = hf_tokenizer_document(vocab, merges, special_tokens, pipeline)
+    document = hf_tokenizer_document(vocab, merges, special_tokens, pipeline, added_token_flags=added_token_flags)
     config = hf_tokenizer_config(special_tokens)
     write_atomic(directory / HF_TOKENIZER_FILE, json.dumps(document, ensure_ascii=False, indent=2) + "\n")
     write_atomic(directory / HF_CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
 
 
 def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str],
-                          pipeline: Pipeline = GPT2_PIPELINE) -> dict:
-    """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included)."""
+                          pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> dict:
+    """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included);
+    added_token_flags are the flags of those special tokens whose flags are not ``added_tokens.OURS``."""
     special_ids = _special_ids(vocab, special_tokens)
     _check_no_merge_spells_a_special(vocab, merges, special_ids)
+    flags = added_token_flags or {}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": [{"id": special_ids[token], "content": token, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": True} for token in special_tokens],
+                          "rstrip": False, "normalized": flags.get(token, OURS).normalized,
+                          "special": flags.get(token, OURS).special} for token in special_tokens],
         "normalizer": {"type": "NFC"} if pipeline.nfc else None,
         "pre_tokenizer": _hf_pre_tokenizer(pipeline.pattern),
         "post_processor": None,
@@ -159,16 +164,17 @@ def is_hf_document(document: object) -> bool:
     return isinstance(document, dict) and isinstance(document.get("model"), dict)
 
 
-def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
-    """(vocab, merges, special tokens, pipeline) of a Hugging Face byte-level BPE tokenizer.json
+def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]:
+    """(vocab, merges, special tokens, pipeline, added-token flags) of a Hugging Face byte-level BPE tokenizer.json
     (``is_hf_document``).
 
     The added tokens become our special tokens, in the file's order (so a file we wrote reads back with the same
-    ``Tokenizer.hash``); their bytes are their text, every other token's bytes its GPT-2 spelling."""
+    ``Tokenizer.hash``), their special and normalized flags kept (added_tokens.py); their bytes are their text,
+    every other token's bytes its GPT-2 spelling."""
     pipeline = read_pipeline(document, path)
     model = document["model"]
     hf_vocab = _read_vocab(model, path)
-    added = _read_added_tokens(document, hf_vocab, pipeline, path)
+    added, flags = _read_added_tokens(document, hf_vocab, pipeline, path)
     vocab = {token_id: from_gpt2_string(text, f"{path}: vocab token") for text, token_id in hf_vocab.items()
              if token_id not in added}
     id_of_bytes = {data: token_id for token_id, data in vocab.items()}  # one id each: the spelling is one-to-one
@@ -180,7 +186,7 @@ def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[
         vocab[token_id] = data
     merges = [(from_gpt2_string(left, f"{path}: merge #{rank}"), from_gpt2_string(right, f"{path}: merge #{rank}"))
               for rank, (left, right) in enumerate(_read_merges(model, path))]
-    return vocab, merges, list(added.values()), pipeline
+    return vocab, merges, list(added.values()), pipeline, {token: flag for token, flag in flags.items() if flag != OURS}
 
 
 def _unreadable(path: Path, detail: str) -> ValueError:
@@ -299,8 +305,10 @@ def _read_merges(model: dict, path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def _read_added_tokens(document: dict, hf_vocab: dict[str, int], pipeline: Pipeline, path: Path) -> dict[int, str]:
-    """{id: text} of the added tokens, in the file's order, each checked to get from HF the id the file gives it.
+def _read_added_tokens(document: dict, hf_vocab: dict[str, int], pipeline: Pipeline,
+                       path: Path) -> tuple[dict[int, str], dict[str, AddedTokenFlags]]:
+    """{id: text} of the added tokens, in the file's order, each checked to get from HF the id the file gives it,
+    and {text: flags} of each.
 
     HF loads an added token by its text: the id the model's vocab gives that text, else the next id after the
     vocab and after the added tokens before it. A file whose ids disagree loads in HF with other ids than it says.
@@ -311,25 +319,24 @@ def _read_added_tokens(document: dict, hf_vocab: dict[str, int], pipeline: Pipel
     if not isinstance(entries, list):
         raise _unreadable(path, "added_tokens is not a list")
     added: dict[int, str] = {}
-    normalized = {}
+    flags: dict[str, AddedTokenFlags] = {}
     vocab_ids = set(hf_vocab.values())
     for position, entry in enumerate(entries):
-        token, token_id = _read_added_token(entry, position, path)
+        token, token_id, flags[token] = _read_added_token(entry, position, path)
         expected = hf_vocab.get(token, max([len(hf_vocab), *(i + 1 for i in added)]))
         if token_id != expected:
             raise _unreadable(path, f"added token {token!r} has id {token_id}, but Hugging Face gives it {expected}")
         if token_id in added or (token not in hf_vocab and token_id in vocab_ids):
             raise _unreadable(path, f"added token {token!r} has id {token_id}, which another token holds")
         added[token_id] = token
-        normalized[token] = entry.get("normalized", True)
-        if pipeline.nfc and normalized[token]:
+        if pipeline.nfc and flags[token].normalized:
             raise UnsupportedHFTokenizer(f"{path}: added token {token!r} sets normalized true with the NFC "
                                          "normalizer; scratchlm matches added tokens on the raw text")
-    _check_one_matching_pass(normalized, path)
-    return added
+    _check_one_matching_pass({token: flag.normalized for token, flag in flags.items()}, path)
+    return added, flags
 
 
-def _read_added_token(entry: object, position: int, path: Path) -> tuple[str, int]:
+def _read_added_token(entry: object, position: int, path: Path) -> tuple[str, int, AddedTokenFlags]:
     if not isinstance(entry, dict):
         raise _unreadable(path, f"added token #{position} is not an object")
     token, token_id = entry.get("content"), entry.get("id")
@@ -341,7 +348,12 @@ def _read_added_token(entry: object, position: int, path: Path) -> tuple[str, in
     if options:
         raise UnsupportedHFTokenizer(f"{path}: added token {token!r} sets {', '.join(options)}; scratchlm matches a "
                                      "special token by its exact text")
-    return token, token_id
+    # tokenizers refuses an entry without the two; read leniently, as before: special as we write, normalized true
+    special, normalized = entry.get("special", True), entry.get("normalized", True)
+    if not (isinstance(special, bool) and isinstance(normalized, bool)):
+        raise _unreadable(path, f"added token #{position} {token!r} has special {special!r} and normalized "
+                                f"{normalized!r}, not true/false")
+    return token, token_id, AddedTokenFlags(special=special, normalized=normalized)
 
 
 def _check_one_matching_pass(normalized: dict[str, bool], path: Path) -> None:

@@ -20,6 +20,11 @@ Folders saved before the Hugging Face file was written beside it hold this forma
 Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex byte strings;
 version 2 holds each token's bytes once and reads in about half the time (GPT-2's 50k merges: ~0.03 s less).
 
+A file of any version may end with ``"added_token_flags": {"<special token>": {"special": false, "normalized":
+true}, ...}``, written only for a tokenizer read from a Hugging Face file that marks some added tokens so
+(``added_tokens.py``). The flags change no id, so the key needs no new version: an older scratchlm ignores it and
+encodes the same.
+
 GPT-2 format: ``vocab.json`` maps *printable* strings to ids and ``merges.txt`` lists ``left right`` per line
 after a ``#version`` header; bytes become printable characters through GPT-2's byte <-> unicode table
 (``gpt2_bytes_to_unicode``), so no token contains a space or a newline. GPT-2 files have no special-token list.
@@ -35,6 +40,7 @@ import os
 from functools import cache
 from pathlib import Path
 
+from scratchlm.tokenizer.added_tokens import AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
 
@@ -110,7 +116,7 @@ def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
+def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]:
     path = Path(path)
     return parse_scratchlm(read_json(path), path)
 
@@ -120,7 +126,7 @@ def is_scratchlm_document(document: object) -> bool:
     return isinstance(document, dict) and "format_version" in document
 
 
-def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline]:
+def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]:
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a JSON object with format_version, vocab, merges, special_tokens")
     version = document.get("format_version")
@@ -140,7 +146,21 @@ def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[s
     if not all(isinstance(token, str) for token in specials):
         raise ValueError(f"{path}: special_tokens must be a list of strings, got {specials!r}")
     pipeline = _parse_pipeline(document, path) if version == PIPELINE_FORMAT_VERSION else GPT2_PIPELINE
-    return vocab, merges, list(specials), pipeline
+    return vocab, merges, list(specials), pipeline, _parse_added_token_flags(document, path)
+
+
+def _parse_added_token_flags(document: dict, path: Path) -> FlagsByToken:
+    entries = document.get("added_token_flags", {})
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: key 'added_token_flags' is not a JSON object")
+    flags = {}
+    for token, entry in entries.items():
+        if not (isinstance(entry, dict) and set(entry) == {"special", "normalized"}
+                and all(isinstance(value, bool) for value in entry.values())):
+            raise ValueError(f"{path}: added_token_flags of {token!r} is {entry!r}, not "
+                             '{"special": true/false, "normalized": true/false}')
+        flags[token] = AddedTokenFlags(**entry)
+    return flags
 
 
 def _parse_pipeline(document: dict, path: Path) -> Pipeline:
@@ -278,7 +298,7 @@ def read_json(path: Path) -> object:
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                         pipeline: Pipeline = GPT2_PIPELINE) -> None:
+                         pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> None:
     """scratchlm-tokenizer.json (version 2, or 3 for a pipeline other than GPT-2's) with one vocab entry and one
     merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids."""
     ids = invert_vocab(vocab)
@@ -288,15 +308,19 @@ def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_token
     tokens = [vocab[i].hex() if i in vocab else None for i in range(max(vocab, default=-1) + 1)]
     vocab_lines = ",\n".join(map(json.dumps, tokens))
     merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in merges)
-    version, settings = FORMAT_VERSION, ""
+    version, tail = FORMAT_VERSION, ""
     if pipeline != GPT2_PIPELINE:
         version = PIPELINE_FORMAT_VERSION
         normalizer, ignore_merges = json.dumps("NFC" if pipeline.nfc else None), json.dumps(pipeline.ignore_merges)
-        settings = (f',\n"pattern": {json.dumps(pipeline.pattern)},\n"normalizer": {normalizer},\n'
+        tail = (f',\n"pattern": {json.dumps(pipeline.pattern)},\n"normalizer": {normalizer},\n'
                     f'"ignore_merges": {ignore_merges}')
+    if added_token_flags:
+        flags = {token: {"special": flag.special, "normalized": flag.normalized}
+                 for token, flag in added_token_flags.items()}
+        tail += f',\n"added_token_flags": {json.dumps(flags)}'
     write_atomic(path, f'{{"format_version": {version},\n"vocab": [\n{vocab_lines}\n],\n'
                        f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}'
-                       f'{settings}}}\n')
+                       f'{tail}}}\n')
 
 
 def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges) -> None:

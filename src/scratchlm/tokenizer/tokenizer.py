@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
+from scratchlm.tokenizer.added_tokens import FlagsByToken, checked_flags
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
 from scratchlm.tokenizer.io import invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
@@ -48,17 +49,20 @@ class Tokenizer:
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
+    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``added_tokens.py``): they
+    change no id, only the tokenizer.json that ``save`` writes.
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
                  special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, fast: bool = True,
-                 cache_size: int = 100_000) -> None:
+                 cache_size: int = 100_000, added_token_flags: FlagsByToken | None = None) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a tokenizer.pipeline.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
         self.vocab: dict[int, bytes] = dict(vocab)
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
         self.special_tokens: list[str] = validate_special_tokens(special_tokens)
+        self.added_token_flags: FlagsByToken = checked_flags(added_token_flags, self.special_tokens)
         self._bytes_to_id = invert_vocab(self.vocab)
         self._byte_ids = _single_byte_ids(self._bytes_to_id)
         self._special_ids = self._add_special_tokens()
@@ -79,9 +83,10 @@ class Tokenizer:
         ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
         from scratchlm.tokenizer.folder import read_tokenizer_files
 
-        vocab, merges, stored_specials, pipeline = read_tokenizer_files(vocab_path, merges_path)
-        specials = special_tokens if special_tokens is not None else stored_specials
-        return cls._built_from(vocab_path, vocab, merges, specials, pipeline, fast)
+        vocab, merges, specials, pipeline, flags = read_tokenizer_files(vocab_path, merges_path)
+        if special_tokens is not None:  # the caller's list replaces the file's, and its flags with ours
+            specials, flags = special_tokens, {}
+        return cls._built_from(vocab_path, vocab, merges, specials, pipeline, flags, fast)
 
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
@@ -89,16 +94,16 @@ class Tokenizer:
         ``merges.txt`` (the order of the files is in ``folder.py``)."""
         from scratchlm.tokenizer.folder import read_tokenizer_dir
 
-        vocab, merges, specials, pipeline = read_tokenizer_dir(directory)
-        return cls._built_from(directory, vocab, merges, specials, pipeline, fast)
+        vocab, merges, specials, pipeline, flags = read_tokenizer_dir(directory)
+        return cls._built_from(directory, vocab, merges, specials, pipeline, flags, fast)
 
     @classmethod
     def _built_from(cls, source: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                    special_tokens: list[str], pipeline: Pipeline, fast: bool) -> Tokenizer:
+                    special_tokens: list[str], pipeline: Pipeline, flags: FlagsByToken, fast: bool) -> Tokenizer:
         """A tokenizer from what was read at source; an inconsistency (say a merge whose result is not in the
         vocab) names the file or folder it came from."""
         try:
-            return cls(vocab, merges, special_tokens, pipeline=pipeline, fast=fast)
+            return cls(vocab, merges, special_tokens, pipeline=pipeline, fast=fast, added_token_flags=flags)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
 
@@ -107,7 +112,8 @@ class Tokenizer:
         ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
         from scratchlm.tokenizer.folder import write_tokenizer_dir
 
-        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline)
+        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline,
+                                   added_token_flags=self.added_token_flags)
 
     @property
     def vocab_size(self) -> int:
@@ -147,11 +153,13 @@ class Tokenizer:
     def __getstate__(self) -> dict:
         # Workers rebuild the lookup tables; the cache is per process.
         return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens,
-                "pipeline": self.pipeline, "fast": self.fast, "cache_size": self._cache_size}
+                "pipeline": self.pipeline, "fast": self.fast, "cache_size": self._cache_size,
+                "added_token_flags": self.added_token_flags}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["vocab"], state["merges"], state["special_tokens"], pipeline=state["pipeline"],
-                      fast=state["fast"], cache_size=state["cache_size"])
+                      fast=state["fast"], cache_size=state["cache_size"],
+                      added_token_flags=state["added_token_flags"])
 
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:
