@@ -191,7 +191,8 @@ def test_the_cs336_recipe_keeps_its_two_adamw_groups():
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"
 ABLATIONS = {"no-muon": {"optim.optimizer"}, "no-qk-norm": {"model.qk_norm"}, "relu2": {"model.ffn", "model.d_ff"},
              "no-zero-init": {"model.zero_init_residual"}, "softcap": {"model.logit_softcap"},
-             "shared-lr": {"optim.embedding_lr", "optim.head_lr"}, "cosine": {"optim.schedule", "optim.min_lr"}}
+             "shared-lr": {"optim.embedding_lr", "optim.head_lr"}, "cosine": {"optim.schedule", "optim.min_lr"},
+             "fp32": {"train.dtype"}}
 
 
 def flat(config: RunConfig) -> dict:

@@ -32,6 +32,7 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16", "fp16")
+TRAIN_DTYPES = (*DTYPES, "auto")  # auto: fp32 or bf16, whichever the run measures faster (train/precision.py)
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DTYPES -> torch attribute names
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -113,7 +114,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads (None: torch's default); a budget's probe sets it
     grad_accum_steps: int = 1  # micro-batches per step: data.batch_size must be divisible by it
     device: str = "auto"  # auto (cuda -> mps -> cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (autocast; the master weights stay fp32; fp16: CUDA, loss scaling)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (autocast; master weights fp32; fp16: CUDA, loss scaling) | auto
     compile: bool = False  # torch.compile the model
     fused_attention: bool | None = None  # torch's fused SDPA kernel (None: on CUDA; elsewhere our chunked kernel)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
@@ -138,7 +139,7 @@ class TrainConfig:
             _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
         # numpy's generators take only non-negative seeds: caught here, not at the first batch, naming the key.
         _require(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
-        _require(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.dtype in TRAIN_DTYPES, f"train.dtype must be one of {TRAIN_DTYPES}, got {self.dtype!r}")
         _require(self.parallel in PARALLEL, f"train.parallel must be one of {PARALLEL}, got {self.parallel!r}")
         _require(bool(DEVICE_PATTERN.fullmatch(self.device)),  # fullmatch: $ alone would let "cpu\n" through
                  f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")

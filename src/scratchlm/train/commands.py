@@ -161,6 +161,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.train.allocator import keep_freed_memory
     from scratchlm.train.budget import PLANNED_SHARE, choose_threads, parse_duration
+    from scratchlm.train.precision import choose_dtype
     from scratchlm.train.setup import check_data
     from scratchlm.train.trainer import model_step_flops
 
@@ -175,6 +176,10 @@ def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     train_tokens, _ = check_data(config, data, None, None)  # as train checks them (the ids, one window)
     keep_freed_memory()  # as `train` does on a CPU (allocator.py), so the probe measures the speed train gets
+    if config.train.dtype == "auto":  # as `train` resolves it (precision.py): the speed it will train at
+        dtype, measured = choose_dtype(config, train_tokens)
+        config = config.with_overrides([f"train.dtype={dtype}"])
+        print(measured)
     threads, step_seconds = choose_threads(config, train_tokens)
     model = config.model
     step_flops = model_step_flops(config)

@@ -11,8 +11,9 @@ it first, and handed on rather than read again:
    records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
    the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
    data.tokenizer_hash is recorded;
-4. the budget plan (budget.py), its probe steps trained on the train tokens opened in 3; under torch.distributed
-   every rank trains rank 0's plan, so all stop at the same step. A resumed run keeps the plan it was started with.
+4. train.dtype = auto, measured on those train tokens (precision.py), and the budget plan (budget.py), its probe
+   steps trained on them too; under torch.distributed every rank trains rank 0's choice and plan, so all stop at
+   the same step. A resumed run keeps the dtype and the plan it was started with.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from scratchlm.config import RunConfig, load_config
 from scratchlm.train.budget import plan_budget
 from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
+from scratchlm.train.precision import choose_dtype
 from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
 from scratchlm.train.tokenizer_identity import bind_tokenizer, fit_vocab_size
 
@@ -71,6 +73,7 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
         check_memory_fits(config, device, world_size)
     train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
     config = bind_tokenizer(config, tokenizer, train_file, val_file)
+    config = _precision(config, saved, train_tokens, quiet)
     config = _planned(config, saved, train_tokens, quiet)
     return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
 
@@ -113,11 +116,30 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
         planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
         return config.with_overrides(planned)
     config, plan = plan_budget(config, train_tokens)
-    config = config.with_overrides([f"train.threads={plan.threads}"])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        shared = [config.to_dict()]  # every rank trains rank 0's plan, so all stop at the same step
-        torch.distributed.broadcast_object_list(shared, src=0)
-        config = RunConfig.from_dict(shared[0])
+    config = _rank_zeros(config.with_overrides([f"train.threads={plan.threads}"]))
     if not quiet:
         print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
+    return config
+
+
+def _precision(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool) -> RunConfig:
+    """The config with train.dtype = auto resolved: measured now on ``train_tokens`` (precision.py), or on resume
+    (``saved``) the dtype the run took."""
+    if config.train.dtype != "auto":
+        return config
+    if saved is not None and saved.train.dtype != "auto":
+        return config.with_overrides([f"train.dtype={saved.train.dtype}"])
+    dtype, measured = choose_dtype(config, train_tokens)
+    if not quiet:
+        print(f"scratchlm train: {measured}", file=sys.stderr, flush=True)
+    return _rank_zeros(config.with_overrides([f"train.dtype={dtype}"]))
+
+
+def _rank_zeros(config: RunConfig) -> RunConfig:
+    """Under torch.distributed, rank 0's config on every rank (its measured choices: all ranks train the same
+    dtype and stop at the same step); else ``config``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        shared = [config.to_dict()]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return RunConfig.from_dict(shared[0])
     return config

@@ -89,7 +89,8 @@ def training_memory(config: RunConfig, device: torch.device, world_size: int = 1
     - under FSDP, this rank's shard of the weights, gradients and optimizer state.
     """
     model = config.model
-    dtype = "fp32" if config.train.dtype == "fp32" else "bf16"  # fp16 takes the bytes bf16 does
+    # fp16 takes the bytes bf16 does; auto (resolved after this check, by timing) is counted at fp32's
+    dtype = "bf16" if config.train.dtype in ("bf16", "fp16") else "fp32"
     estimate = estimate_memory(model, model.context_length, config.micro_batch_size, dtype)
     muon = 0
     if config.optim.optimizer == "muon":
