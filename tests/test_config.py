@@ -97,7 +97,7 @@ def test_bad_overrides(base: Path, override: str, message: str):
     ("[optim]\nwarmup_iters = 50", "optim.warmup_iters (50) must not exceed train.max_steps (20)"),
     ("[train]\ngrad_accum_steps = 3", "data.batch_size (8) must be divisible by train.grad_accum_steps (3)"),
     ("[optim]\nmin_lr = 1.0\nlr = 0.1", "optim.min_lr must be in [0, optim.lr=0.1]"),
-    ("[train]\ndtype = \"fp8\"", "train.dtype must be one of ('fp32', 'bf16', 'fp16')"),
+    ("[train]\ndtype = \"fp8\"", "train.dtype must be one of ('fp32', 'bf16', 'fp16', 'auto')"),
     ("[train]\ndevice = \"gpu\"", "train.device must be auto, cpu, mps, cuda or cuda:N"),
     ("[train]\ndevice = \"cpu\\n\"", "train.device must be auto, cpu, mps, cuda or cuda:N"),
     ("[model]\npreset = \"huge\"", "unknown model preset 'huge'"),
