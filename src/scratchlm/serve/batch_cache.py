@@ -8,8 +8,9 @@ changes neither what it attends to nor its positions. That is all continuous bat
   cache's rows are shifted right, their new leading columns marked as padding. A new request joins this way
   after its prefill (alone, in a cache of its own).
 - `select(cache, rows)`: a cache of those rows only (finished requests leave).
-- `compact(cache)`: drops the leading columns that are padding in every row, so the length can grow again.
-  Every row's own tokens (prompt + completion) fit the context, so after compacting the longest row has room.
+- `compact(cache)`: drops the leading columns that are padding in every row, so the length can grow again (and
+  the steps stop attending over them: the engine compacts whenever rows leave). Every row's own tokens (prompt +
+  completion) fit the context, so after compacting the longest row has room.
 
 Each returns a new cache or edits in place, copying whole key/value rows: one (rows, heads, length, head_dim)
 copy per layer, rare next to the decoding steps (once per join or leave).
