@@ -31,8 +31,9 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {"adamw": CONFIGS / "tiny.toml", "muon": CONFIGS / "recipes" / "modern.toml"}
 SENTENCES = [b"the cat sat on the mat. ", b"a dog ran to the park. ", b"we like red apples! "]
 # Short runs: batch 4, one warm-up step (the modern recipe's 20 would not fit), a loss record every step.
+# fp32: the first step's loss is compared with a float32 forward (the modern recipe's auto may take bf16)
 SHORT = ["--set", "data.batch_size=4", "--set", "optim.warmup_iters=1", "--set", "train.log_every=1",
-         "--set", "train.eval_batches=1", "--set", "train.device=cpu", "--quiet"]
+         "--set", "train.eval_batches=1", "--set", "train.device=cpu", "--set", "train.dtype=fp32", "--quiet"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
