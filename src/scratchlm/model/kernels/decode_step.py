@@ -186,12 +186,8 @@ def _concatenated(*linears: Linear) -> Linear:
     """One Linear whose output is the outputs of `linears` side by side (weights and biases concatenated)."""
     first = linears[0]
     with torch.inference_mode(False):  # a normal tensor, whose version counter the tuned matmuls check
-        return _concatenated_now(first, linears)
-
-
-def _concatenated_now(first: Linear, linears: tuple[Linear, ...]) -> Linear:
-    fused = Linear(first.in_features, sum(linear.out_features for linear in linears), device="meta")
-    fused.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]), requires_grad=False)
-    if first.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+        fused = Linear(first.in_features, sum(linear.out_features for linear in linears), device="meta")
+        fused.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]), requires_grad=False)
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
     return fused
