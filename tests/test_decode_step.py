@@ -85,10 +85,13 @@ def test_every_matmul_strategy_gives_the_forwards_greedy_tokens(strategy):
 
 
 def test_a_merged_cache_of_rows_at_different_positions_decodes_as_each_row_alone():
-    """The server's batch: rows that joined at different times (batch_cache.merge), each at its own position."""
+    """The server's batch: rows that joined at different times (batch_cache.BatchCache.add), each at its own position."""
     model = _model(num_kv_heads=2)
     alone = [_prefilled(model, [length], seed) for length, seed in ((3, 1), (11, 2))]
-    merged = batch_cache.merge(model, copy.deepcopy(alone[0][0]), copy.deepcopy(alone[1][0]))
+    batch = batch_cache.BatchCache(model, capacity=3)
+    for cache, _ in alone:
+        batch.add(copy.deepcopy(cache))
+    merged = batch.cache
     step = DecodeStep(model)
     with torch.inference_mode():
         for t in range(10):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scratchlm.generate.sampling import _Decoder, generate, sample_next, stream, top_k_filter, top_p_filter
+from scratchlm.generate.sampling import _Decoder, draw, generate, sample_next, stream, top_k_filter, top_p_filter
 from scratchlm.model import ModelConfig, TransformerLM, kernels
 from scratchlm.model.kernels import tuned_linear
 from scratchlm.model.layers import linear
@@ -224,6 +224,15 @@ def test_temperature_one_draws_exactly_what_plain_softmax_draws():
     got = sample_next(logits, generator=torch.Generator().manual_seed(5))
     expected = torch.multinomial(logits.softmax(dim=-1), 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
     assert torch.equal(got, expected)
+
+
+def test_draw_with_a_generator_per_row_draws_what_multinomial_draws_for_each_row_alone():
+    probs = (torch.randn(6, 300) * 3).softmax(dim=-1)
+    probs[2, 5:] = 0.0  # a filtered row (top-k): zeros are never drawn
+    got = draw(probs, [torch.Generator().manual_seed(row) for row in range(6)])
+    expected = [int(torch.multinomial(probs[row:row + 1], 1, generator=torch.Generator().manual_seed(row)))
+                for row in range(6)]
+    assert got.tolist() == expected and got[2] < 5
 
 
 def test_vocab_limit_restricts_every_rule_to_the_first_ids():

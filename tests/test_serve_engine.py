@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.sampling import generate, sample_next
 from scratchlm.model import KVCache
 from scratchlm.serve import batch_cache
-from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, Sampling, Sequence, Token
+from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, Sampling, Sequence, Token, _Row
 from scratchlm.serve.text import TextStream
 from serve_helpers import CONTEXT, EOS, byte_tokenizer, tiny_model
 
@@ -162,31 +162,71 @@ def test_a_long_row_leaving_takes_its_columns_with_it(model):
         engine._step()  # both prefilled (the short one left-padded to 40) and one step decoded
         while len(engine._rows) == 2:
             engine._step()
-        assert engine._cache.length == len(short) + len(sequences[1].emit.tokens) - 1  # no padding column left
+        assert engine._batch.cache.length == len(short) + len(sequences[1].emit.tokens) - 1  # no padding column left
         while engine._rows:
             engine._step()
     assert sequences[1].emit.tokens == expected
 
 
+def test_a_batch_of_mixed_settings_samples_each_row_as_it_would_alone():
+    """One pass samples rows with different temperatures, top-k and top-p (greedy among them): each row draws the
+    token sample_next draws for it alone from a generator of the same seed."""
+    gen = torch.Generator().manual_seed(3)
+    settings = [Sampling(1, 0.0), Sampling(1, 0.7, top_k=5), Sampling(1, 1.3, top_p=0.8), Sampling(1, 1.0),
+                Sampling(1, 0.7, top_k=5, top_p=0.5), Sampling(1, 1e-30)]
+    for trial in range(25):
+        logits = torch.randn(len(settings), 300, generator=gen) * 4
+        rows = [_Row(Sequence([1], Sampling(**{**vars(s), "seed": trial * 10 + i}), lambda e: None),
+                     byte_tokenizer(), torch.device("cpu")) for i, s in enumerate(settings)]
+        alone = [int(sample_next(logits[i:i + 1], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                 generator=torch.Generator().manual_seed(trial * 10 + i)))
+                 for i, s in enumerate(settings)]
+        assert Engine._choose(rows, logits) == alone
+
+
 @torch.no_grad()
-def test_merge_select_compact_keep_every_rows_next_logits(model):
-    """Rows merged at different lengths, some dropped, the padding compacted: one batched step gives each row the
-    logits it gets alone (the oracle: its own single-row cache)."""
-    prompts = _prompts([7, 2, 19, 11])
-    caches, alone = zip(*(_prefilled(model, p) for p in prompts))
-    batch = None
-    for cache in caches:
-        batch = batch_cache.merge(model, batch, cache)
-    assert batch.length == 19 and batch.batch_size == 4 and batch.has_padding
-    batch = batch_cache.select(model, batch, [0, 1, 3])  # the longest leaves: columns 0-7 are padding everywhere
-    assert batch_cache.compact(batch) == 8 and batch.length == 11
+def test_add_keep_compact_keep_every_rows_next_logits(model):
+    """Rows added at different lengths (the longest last, so the others shift right), some dropped, the padding
+    compacted: one batched step gives each row the logits it gets alone (the oracle: its own single-row cache)."""
+    prompts = _prompts([7, 2, 11, 19])
+    batch = batch_cache.BatchCache(model, capacity=5)
+    for prompt in prompts:
+        batch.add(_prefilled(model, prompt)[0])
+    assert batch.cache.length == 19 and batch.rows == 4 and batch.cache.has_padding
+    assert batch.keep([0, 1, 2]) == [0, 1, 2]  # the longest leaves: columns 0-7 are padding everywhere
+    assert batch.compact() == 8 and batch.cache.length == 11
     nxt = torch.tensor([[5], [6], [7]])
-    batched = model(nxt, kv_cache=batch, last_only=True)[:, -1]
-    for row, source in enumerate((0, 1, 3)):
+    batched = model(nxt, kv_cache=batch.cache, last_only=True)[:, -1]
+    for row in range(3):
+        single, _ = _prefilled(model, prompts[row])
+        expected = model(nxt[row:row + 1], kv_cache=single, last_only=True)[:, -1]
+        torch.testing.assert_close(batched[row:row + 1], expected, rtol=1e-5, atol=1e-5)
+    assert batch.keep([]) == [] and batch.cache is None and batch.rows == 0
+
+
+@torch.no_grad()
+def test_a_row_that_joins_where_another_left_sees_none_of_its_keys(model):
+    """Rows leave from the middle and others join into their buffer rows: every row still gets its own logits
+    (a joining row's padding columns are cleared, not the departed row's keys), and a full batch is refused."""
+    prompts = _prompts([9, 4, 15, 6, 3], seed=1)
+    batch = batch_cache.BatchCache(model, capacity=3)
+    for prompt in prompts[:3]:
+        batch.add(_prefilled(model, prompt)[0])
+    with pytest.raises(ValueError, match="holds 3 rows"):
+        batch.add(_prefilled(model, prompts[3])[0])
+    assert batch.keep([0, 2]) == [0, 2]  # the row of 4 leaves from the middle; the row of 15 moves up
+    for prompt in prompts[3:4]:
+        batch.add(_prefilled(model, prompt)[0])
+    assert batch.keep([1, 2]) == [2, 1]  # the first leaves: the last row takes its place
+    batch.store.values[0][2] = float("nan")  # the free buffer row: what a departed row might have left
+    batch.add(_prefilled(model, prompts[4])[0])
+    assert batch.cache.length == 15
+    nxt = torch.tensor([[5], [6], [7]])
+    batched = model(nxt, kv_cache=batch.cache, last_only=True)[:, -1]
+    for row, source in enumerate((3, 2, 4)):
         single, _ = _prefilled(model, prompts[source])
         expected = model(nxt[row:row + 1], kv_cache=single, last_only=True)[:, -1]
         torch.testing.assert_close(batched[row:row + 1], expected, rtol=1e-5, atol=1e-5)
-    assert batch_cache.select(model, batch, []) is None
 
 
 # --- text: UTF-8 and stop strings --------------------------------------------------------------------------

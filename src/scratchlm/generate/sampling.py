@@ -68,17 +68,58 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | 
     logits = logits[..., :vocab_limit]  # (B, vocab_limit): a prefix, so positions are still token ids
     if temperature == 0:
         return logits.argmax(dim=-1)
+    rows = logits.shape[0]
+    return draw(probabilities(logits, [temperature] * rows, [top_k] * rows, [top_p] * rows), generator)
+
+
+def draw(probs: torch.Tensor, generators: torch.Generator | None | list[torch.Generator | None]) -> torch.Tensor:
+    """A token id per row (B,) drawn from probs (B, V) (zeros allowed, sums need not be 1), with one generator for
+    the batch or one per row (a server's requests each have their own seed).
+
+    The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent picks i with probability p_i / sum(p)
+    (the smallest E_i / p_i, an exponential of rate p_i, wins). It is what `torch.multinomial` does for one
+    sample, draw for draw (tests/test_generate.py), with the noise drawn row by row when each row has its own
+    generator and the argmax one op for the batch."""
+    noise = torch.empty_like(probs)
+    if isinstance(generators, list):
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(generator=generator)
+    else:
+        noise.exponential_(generator=generators)
+    return (probs / noise).argmax(dim=-1)
+
+
+def probabilities(logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int | None],
+                  top_ps: Sequence[float]) -> torch.Tensor:
+    """The distribution (B, V) each row samples from, each with its own temperature (> 0), top-k and top-p: one
+    pass over the batch, so a server's rows with different settings sample together (rows that share a top-k or
+    a top-p are filtered together). A row's result does not depend on the rows beside it."""
     # Any positive temperature, however tiny: logits / 1e-40 would overflow to inf (softmax: NaN), so the max is
     # subtracted first (the top logit becomes 0, the rest go to -inf); and a temperature below float32's smallest
     # normal number is raised to it, as it would round to 0 (0 / 0 = NaN) where the distribution is one-hot on the
     # top logits anyway. softmax subtracts the max itself, so T = 1 is bit-identical to plain logits / T.
-    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    temperature = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    temperature = temperature.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (B, 1)
     logits = logits.float()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    probs = top_p_filter(logits.softmax(dim=-1), top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,); it renormalizes itself
+    for k, rows in _groups(top_ks):
+        if k is not None:
+            logits[rows] = top_k_filter(logits[rows], k)
+    probs = logits.softmax(dim=-1)
+    for p, rows in _groups(top_ps):
+        if p < 1.0:
+            probs[rows] = top_p_filter(probs[rows], p)
+    return probs
+
+
+def _groups(values: Sequence) -> list[tuple[object, slice | list[int]]]:
+    """Each distinct value and the rows that have it (all rows: a slice, which indexes without a copy)."""
+    if len(set(values)) <= 1:
+        return [(values[0] if values else None, slice(None))]
+    rows: dict[object, list[int]] = {}
+    for row, value in enumerate(values):
+        rows.setdefault(value, []).append(row)
+    return list(rows.items())
 
 
 def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,

@@ -15,6 +15,8 @@ much padding precedes them. `TransformerLM.forward(ids, attention_mask=..., kv_c
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -36,6 +38,15 @@ class KVCache:
         layers, heads, head_dim, dtype, device = _layout(model)
         return cls(layers, batch_size, heads, max_seq_len or model.config.context_length, head_dim, device=device,
                    dtype=dtype)
+
+    def rows(self, count: int) -> KVCache:
+        """A cache of the first `count` rows over the same buffers (writes to either show in both), at this
+        cache's length: how a server's batch of fewer rows than it has room for decodes without copying."""
+        view = copy.copy(self)
+        view.keys = [keys[:count] for keys in self.keys]
+        view.values = [values[:count] for values in self.values]
+        view.key_padding, view.next_position = self.key_padding[:count], self.next_position[:count]
+        return view
 
     def check_model(self, model) -> None:
         """A clear error when the cache was built for another model (layers, KV heads, head size, dtype, device)."""

@@ -1,19 +1,23 @@
-"""Row operations on a KVCache for continuous batching: merge caches, keep some rows, drop shared padding.
+"""The KV cache of a continuously batched decoder: rows join and leave between steps, in buffers allocated once.
 
 `KVCache` (model/kv_cache.py) holds every row at one shared `length`, shorter rows LEFT padded: `key_padding`
 (B, T_max) marks real positions and `next_position` (B,) continues each row's RoPE numbering, so a row's padding
-changes neither what it attends to nor its positions. That is all continuous batching needs:
+changes neither what it attends to nor its positions. That is all continuous batching needs. `BatchCache` keeps
+a cache of `capacity` rows and decodes its first `rows` (`cache`, a KVCache over the same buffers):
 
-- `merge(a, b)`: the rows of a, then those of b, in one cache of length max(a.length, b.length); the shorter
-  cache's rows are shifted right, their new leading columns marked as padding. A new request joins this way
-  after its prefill (alone, in a cache of its own).
-- `select(cache, rows)`: a cache of those rows only (finished requests leave).
-- `compact(cache)`: drops the leading columns that are padding in every row, so the length can grow again (and
-  the steps stop attending over them: the engine compacts whenever rows leave). Every row's own tokens (prompt +
+- `add(prefilled)`: the rows of a prefilled cache join after the others, right-aligned to the batch's length
+  (their leading columns marked as padding); a prefill longer than the batch shifts the batch's rows right instead.
+- `keep(rows)`: only those rows stay (finished requests leave); a row kept past the new row count moves into a
+  place a leaving row freed, so the order changes, and `keep` says how.
+- `compact()`: drops the leading columns that are padding in every row, so the length can grow again (and the
+  steps stop attending over them: the engine compacts whenever rows leave). Every row's own tokens (prompt +
   completion) fit the context, so after compacting the longest row has room.
 
-Each returns a new cache or edits in place, copying whole key/value rows: one (rows, heads, length, head_dim)
-copy per layer, rare next to the decoding steps (once per join or leave).
+Why buffers allocated once: a new cache for every join and leave zero-filled fresh pages of the batch's whole
+size (and the copies faulted them in), which cost as much as a decoding step each time (~4 ms at 8 rows of
+tinystories-17m); a join or a leave now copies only the rows that move. Invariant: in every row,
+the columns from the cache's length on are marked real (True), as a fresh KVCache has them, so each decoding
+step's new key is attended.
 """
 
 from __future__ import annotations
@@ -23,63 +27,95 @@ import torch
 from scratchlm.model import KVCache, TransformerLM
 
 
-def merge(model: TransformerLM, a: KVCache | None, b: KVCache) -> KVCache:
-    """One cache holding a's rows, then b's (a None: b itself)."""
-    if a is None or a.batch_size == 0:
-        return b
-    length = max(a.length, b.length)
-    merged = KVCache.for_model(model, a.batch_size + b.batch_size, a.max_seq_len)
-    rows = 0
-    for part in (a, b):
-        _copy_rows(part, merged, slice(rows, rows + part.batch_size), shift=length - part.length)
-        rows += part.batch_size
-    merged.length = length
-    merged.has_padding = a.has_padding or b.has_padding or a.length != b.length
-    return merged
+class BatchCache:
+    def __init__(self, model: TransformerLM, capacity: int) -> None:
+        self.store = KVCache.for_model(model, capacity)  # the buffers; its own length is never used
+        self.cache: KVCache | None = None  # the first `rows` rows, what each decoding step reads and extends
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.cache is None else self.cache.batch_size
+
+    def add(self, prefilled: KVCache) -> None:
+        """The rows of `prefilled` join the batch after the rows already in it."""
+        rows, joining = self.rows, prefilled.batch_size
+        if rows + joining > self.store.batch_size:
+            raise ValueError(f"the batch holds {self.store.batch_size} rows: {rows} + {joining} do not fit")
+        length = self.cache.length if self.cache is not None else 0
+        has_padding = self.cache is not None and self.cache.has_padding
+        if prefilled.length > length and rows:  # the newcomer is the longest: the others move right
+            _shift_right(self.store, slice(0, rows), length, prefilled.length - length)
+            has_padding = True
+        new_length = max(length, prefilled.length)
+        _copy_in(prefilled, self.store, slice(rows, rows + joining), shift=new_length - prefilled.length)
+        self.cache = self.store.rows(rows + joining)
+        self.cache.length = new_length
+        self.cache.has_padding = has_padding or prefilled.has_padding or (rows > 0 and length != prefilled.length)
+
+    def keep(self, kept: list[int]) -> list[int]:
+        """Only the rows `kept` stay; returns the old index of each row left, in its new place. Each place a
+        leaving row frees below the new row count takes one of the rows kept past it: one row copied per row that
+        leaves, however many rows come after it."""
+        if self.cache is None:
+            return []
+        count, length, has_padding = len(kept), self.cache.length, self.cache.has_padding
+        order = list(range(self.rows))
+        staying = set(kept)
+        holes = [row for row in range(count) if row not in staying]
+        movers = [row for row in range(count, self.rows) if row in staying]  # as many as holes
+        store = self.store
+        for hole, mover in zip(holes, movers):
+            for buffers in (store.keys, store.values):
+                for buffer in buffers:
+                    buffer[hole, :, :length] = buffer[mover, :, :length]
+            store.key_padding[hole] = store.key_padding[mover]
+            store.next_position[hole] = store.next_position[mover]
+            order[hole] = mover
+        self.cache = store.rows(count) if count else None
+        if self.cache is not None:
+            self.cache.length, self.cache.has_padding = length, has_padding
+        return order[:count]
+
+    def compact(self) -> int:
+        """Drop the leading columns that are padding in every row (in place); returns how many were dropped."""
+        cache = self.cache
+        if cache is None or not cache.has_padding:
+            return 0
+        real_anywhere = cache.key_padding[:, :cache.length].any(dim=0)  # (length,)
+        if not real_anywhere.any():
+            return 0
+        drop = int(real_anywhere.int().argmax())  # the first column that some row really uses
+        if drop == 0:
+            return 0
+        end = cache.length
+        for buffers in (cache.keys, cache.values):
+            for buffer in buffers:
+                buffer[:, :, :end - drop] = buffer[:, :, drop:end].clone()  # overlapping ranges: copy first
+        cache.key_padding[:, :end - drop] = cache.key_padding[:, drop:end].clone()
+        cache.key_padding[:, end - drop:].fill_(True)
+        cache.length = end - drop
+        return drop
 
 
-def select(model: TransformerLM, cache: KVCache, rows: list[int]) -> KVCache | None:
-    """A cache of `rows` of `cache`, in that order (None when no row is left)."""
-    if not rows:
-        return None
-    if rows == list(range(cache.batch_size)):
-        return cache
-    index = torch.tensor(rows, device=cache.key_padding.device)
-    kept = KVCache.for_model(model, len(rows), cache.max_seq_len)
-    end = cache.length
-    for layer in range(len(cache.keys)):
-        kept.keys[layer][:, :, :end] = cache.keys[layer][index, :, :end]
-        kept.values[layer][:, :, :end] = cache.values[layer][index, :, :end]
-    kept.key_padding[:, :end] = cache.key_padding[index, :end]
-    kept.next_position.copy_(cache.next_position[index])
-    kept.length, kept.has_padding = end, cache.has_padding
-    return kept
+def _shift_right(store: KVCache, rows: slice, length: int, shift: int) -> None:
+    """Move columns [0, length) of `rows` to [shift, shift + length); the columns before become padding."""
+    for buffers in (store.keys, store.values):
+        for buffer in buffers:
+            buffer[rows, :, shift:shift + length] = buffer[rows, :, :length].clone()  # overlapping: copy first
+            buffer[rows, :, :shift] = 0
+    store.key_padding[rows, shift:shift + length] = store.key_padding[rows, :length].clone()
+    store.key_padding[rows, :shift] = False
 
 
-def compact(cache: KVCache) -> int:
-    """Drop the leading columns that are padding in every row (in place); returns how many were dropped."""
-    real_anywhere = cache.key_padding[:, :cache.length].any(dim=0)  # (length,)
-    if not cache.has_padding or not real_anywhere.any():
-        return 0
-    drop = int(real_anywhere.int().argmax())  # the first column that some row really uses
-    if drop == 0:
-        return 0
-    end = cache.length
-    for buffers in (cache.keys, cache.values):
-        for layer, buffer in enumerate(buffers):
-            buffers[layer][:, :, :end - drop] = buffer[:, :, drop:end].clone()  # overlapping ranges: copy first
-    cache.key_padding[:, :end - drop] = cache.key_padding[:, drop:end].clone()
-    cache.key_padding[:, end - drop:].fill_(True)
-    cache.length = end - drop
-    return drop
-
-
-def _copy_rows(source: KVCache, target: KVCache, rows: slice, shift: int) -> None:
-    """source's rows into target's `rows`, `shift` columns to the right (the columns before are padding)."""
+def _copy_in(source: KVCache, store: KVCache, rows: slice, shift: int) -> None:
+    """source's rows into the store's `rows`, `shift` columns to the right (the columns before are padding,
+    zeroed: a row that left may have left anything there, and a masked column's value still meets a 0 weight)."""
     end = source.length
-    for layer in range(len(source.keys)):
-        target.keys[layer][rows, :, shift:shift + end] = source.keys[layer][:, :, :end]
-        target.values[layer][rows, :, shift:shift + end] = source.values[layer][:, :, :end]
-    target.key_padding[rows, :shift] = False
-    target.key_padding[rows, shift:shift + end] = source.key_padding[:, :end]
-    target.next_position[rows] = source.next_position
+    for sources, targets in ((source.keys, store.keys), (source.values, store.values)):
+        for layer, target in enumerate(targets):
+            target[rows, :, :shift] = 0
+            target[rows, :, shift:shift + end] = sources[layer][:, :, :end]
+    store.key_padding[rows, :shift] = False
+    store.key_padding[rows, shift:shift + end] = source.key_padding[:, :end]
+    store.key_padding[rows, shift + end:] = True
+    store.next_position[rows] = source.next_position

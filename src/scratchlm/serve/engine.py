@@ -4,14 +4,17 @@ One engine thread owns the model. `submit` puts sequences in a waiting queue (bo
 `max_queue`); before every decoding step the thread admits waiting sequences while the batch has fewer than
 `max_batch` rows, drops the rows that ended or were cancelled, and then decodes one token for every row in one
 forward pass over the shared KV cache (batch_cache.py). Each row samples with its own settings and its own
-`torch.Generator` through generate/sampling.py's `sample_next`, so a sequence alone on the engine makes the same
-forward calls as `generate()` (one prefill, then one token per step) and gives the same tokens for the same seed.
+`torch.Generator` by generate/sampling.py's rule (`probabilities`, one pass over the batch, then one draw per
+row), so a sequence alone on the engine makes the same forward calls and draws as `generate()` (one prefill,
+then one token per step) and gives the same tokens for the same seed; beside others too, as a row's
+distribution does not depend on the rows beside it.
 
-A joining sequence is prefilled alone, into a cache of its own, then merged into the batch. Its prompt plus its
-max_tokens - 1 (the last token is never fed back) must fit the model's context (`check`; there is no sliding
-window here), which is what lets `batch_cache.compact` always make room. Results go out through each
-sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then `Finished`, or `Failed`
-(shutdown, or an error in a step).
+A joining sequence is prefilled alone, into a one-row scratch cache, then copied into the batch's cache
+(batch_cache.py: buffers for max_batch rows, allocated with the engine, so the server's memory under load is
+known from the start). Its prompt plus its max_tokens - 1 (the last token is never fed back) must fit the
+model's context (`check`; there is no sliding window here), which is what lets `BatchCache.compact` always make
+room. Results go out through each sequence's `emit` callback, called on the engine thread: `Token` per sampled
+token, then `Finished`, or `Failed` (shutdown, or an error in a step).
 With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
 With `logprobs`, a sampled <|endoftext|> is a `Token` too (text '', with its log-probability) before `Finished`:
 every sampled token has its entry, as in OpenAI's logprobs, which lm-eval's log-likelihood relies on.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scratchlm.generate.sampling import sample_next
+from scratchlm.generate.sampling import draw, probabilities
 from scratchlm.model import KVCache, TransformerLM, kernels
 from scratchlm.serve import batch_cache
 from scratchlm.serve.text import TextStream
@@ -124,7 +127,8 @@ class Engine:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._wakeup = threading.Condition()
         self._rows: list[_Row] = []
-        self._cache: KVCache | None = None
+        self._batch = batch_cache.BatchCache(model, max_batch)
+        self._prefill_cache = KVCache.for_model(model, 1)  # reset for each joining sequence
         self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
         self._stopping = False
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
@@ -208,9 +212,9 @@ class Engine:
         self._leave()
         if not self._rows:
             return
-        cache = self._cache
+        cache = self._batch.cache
         if cache.length + 1 > cache.max_seq_len:
-            batch_cache.compact(cache)
+            self._batch.compact()
         last = torch.tensor([[row.last] for row in self._rows], device=self.device)  # (B, 1)
         logits = self._forward(last, cache)[:, -1]  # (B, V)
         self._sample(self._rows, logits)
@@ -229,7 +233,10 @@ class Engine:
         row = _Row(sequence, self.tokenizer, self.device)
         sampling = sequence.sampling
         ids = torch.tensor([sequence.prompt_ids], device=self.device)  # (1, P)
-        cache = KVCache.for_model(self.model, 1) if sampling.max_tokens > 0 else None
+        cache = None
+        if sampling.max_tokens > 0:
+            cache = self._prefill_cache
+            cache.reset()
         logits = self.model(ids, kv_cache=cache, last_only=not sampling.prompt_logprobs)  # (1, P or 1, V)
         if sampling.prompt_logprobs:
             sequence.emit(self._prompt_logprobs(sequence.prompt_ids, logits[0], sampling.logprobs or 0))
@@ -239,7 +246,7 @@ class Engine:
         self._sample([row], logits[:, -1])
         if not row.done:
             self._rows.append(row)
-            self._cache = batch_cache.merge(self.model, self._cache, cache)
+            self._batch.add(cache)
 
     def _leave(self) -> None:
         """Drop finished and cancelled rows (and their cache rows), and the columns that were only theirs: every
@@ -248,17 +255,12 @@ class Engine:
         kept = [index for index, row in enumerate(self._rows) if not (row.done or row.sequence.cancelled)]
         if len(kept) == len(self._rows):
             return
-        self._cache = batch_cache.select(self.model, self._cache, kept)
-        self._rows = [self._rows[index] for index in kept]
-        if self._cache is not None:
-            batch_cache.compact(self._cache)
+        self._rows = [self._rows[index] for index in self._batch.keep(kept)]
+        self._batch.compact()
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """One token for each row from its logits (len(rows), V); emits them and marks the rows that end."""
-        chosen = [sample_next(logits[i:i + 1], temperature=row.sampling.temperature, top_k=row.sampling.top_k,
-                              top_p=row.sampling.top_p, generator=row.generator, vocab_limit=self.vocab_limit)
-                  for i, row in enumerate(rows)]
-        tokens = torch.cat(chosen).tolist()
+        tokens = self._choose(rows, logits[:, :self.vocab_limit])
         self.sampled += len(tokens)
         wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
         scores = self._log_probs(logits[wanted]) if wanted else None
@@ -278,6 +280,24 @@ class Engine:
                 self._finish(row, "stop")
             elif row.generated >= row.sampling.max_tokens:
                 self._finish(row, "length")
+
+    @staticmethod
+    def _choose(rows: list[_Row], logits: torch.Tensor) -> list[int]:
+        """Each row's token, as sample_next draws it for that row alone: the greedy rows' argmax, the others'
+        distributions in one pass (sampling.probabilities) and their draws in another, each row's noise from its
+        own generator (sampling.draw)."""
+        greedy = [row.sampling.temperature == 0 for row in rows]
+        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(rows)
+        sampled = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
+        if sampled:
+            settings = [rows[i].sampling for i in sampled]
+            probs = probabilities(logits if len(sampled) == len(rows) else logits[sampled],
+                                  [s.temperature for s in settings], [s.top_k for s in settings],
+                                  [s.top_p for s in settings])
+            drawn = draw(probs, [rows[i].generator for i in sampled]).tolist()
+            for i, token in zip(sampled, drawn):
+                tokens[i] = token
+        return tokens
 
     def _finish(self, row: _Row, reason: str) -> None:
         row.done = True
@@ -312,7 +332,8 @@ class Engine:
         for row in self._rows:
             if not row.done:
                 row.sequence.emit(Failed(message, kind))
-        self._rows, self._cache = [], None
+        self._rows = []
+        self._batch.keep([])
         if kind == "shutdown":
             with self._wakeup:
                 waiting, self._waiting = list(self._waiting), collections.deque()
