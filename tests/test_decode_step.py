@@ -85,7 +85,7 @@ def test_every_matmul_strategy_gives_the_forwards_greedy_tokens(strategy):
 
 
 def test_a_merged_cache_of_rows_at_different_positions_decodes_as_each_row_alone():
-    """The server's batch: rows that joined at different times (batch_cache.BatchCache.add), each at its own position."""
+    """The server's batch: rows that joined at different times (BatchCache.add), each at its own position."""
     model = _model(num_kv_heads=2)
     alone = [_prefilled(model, [length], seed) for length, seed in ((3, 1), (11, 2))]
     batch = batch_cache.BatchCache(model, capacity=3)

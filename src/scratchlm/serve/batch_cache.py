@@ -22,8 +22,6 @@ step's new key is attended.
 
 from __future__ import annotations
 
-import torch
-
 from scratchlm.model import KVCache, TransformerLM
 
 
