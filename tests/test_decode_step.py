@@ -14,6 +14,7 @@ from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.model.kernels import decode_step, tuned_linear
 from scratchlm.model.kernels.decode_step import DecodeStep
 from scratchlm.model.kernels.tuned_linear import tuned_weights
+from scratchlm.model.layers import RMSNorm
 from scratchlm.serve import batch_cache
 
 TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-5, atol=2e-5),
@@ -74,6 +75,17 @@ def test_the_step_equals_the_forward_logits_and_cache_with_left_padding(dtype, o
     assert got.shape == want.shape == (3, 12, model.config.vocab_size) and got.dtype == want.dtype
     assert_close(got, want, **TOLERANCE[dtype])
     _assert_same_cache(step_cache, forward_cache, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
+    norm = RMSNorm(48, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(5, 3, 48, generator=generator) * scale).to(dtype)
+        assert torch.equal(decode_step._fused_norm(norm)(x), norm(x))
 
 
 @pytest.mark.parametrize("strategy", list(tuned_linear.strategies()))

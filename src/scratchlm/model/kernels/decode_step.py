@@ -7,7 +7,9 @@ docs/benchmarks.md). `DecodeStep(model)` computes what `model(ids (B, 1), kv_cac
 computes for a pre-norm RMSNorm model, with:
 - q, k and v as one product against their concatenated weights, and SwiGLU's W1 and W3 as one: half the calls,
   and larger products, which oneDNN and BLAS run nearer memory speed;
-- RoPE on q and k together as one complex multiply by each row's position (complex_rope.py's rotation);
+- RoPE on q and k together (adjacent in that product's output) as one complex multiply by each row's position
+  (complex_rope.py's rotation);
+- every RMSNorm as torch's fused rms_norm (aten), bit for bit the readable norm, in one op instead of six;
 - the attention of each row's one query over its cached keys as two batched products around one softmax, the
   query heads of a grouped-query KV head batched together (no repeated K and V), in at least float32;
 - no checks beyond the cache's own: the caller (generate(), the server) made the ids.
@@ -60,9 +62,10 @@ class _Layer:
 
     def __init__(self, block: nn.Module):
         attention, ffn = block.attn, block.ffn
-        self.norm1, self.norm2 = block.ln1, block.ln2
+        self.norm1, self.norm2 = _fused_norm(block.ln1), _fused_norm(block.ln2)
         self.qkv = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.q_norm, self.k_norm = attention.q_norm, attention.k_norm
+        self.q_norm = _fused_norm(attention.q_norm) if attention.q_norm is not None else None
+        self.k_norm = _fused_norm(attention.k_norm) if attention.k_norm is not None else None
         self.heads, self.kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         self.output = attention.output_proj
         self.ffn_kind = type(ffn)
@@ -78,6 +81,7 @@ class DecodeStep:
     def __init__(self, model: TransformerLM):
         self.model = model
         self.layers = [_Layer(block) for block in model.layers]
+        self.final_norm = _fused_norm(model.ln_final)
         self.linears = nn.ModuleList(linear for layer in self.layers
                                      for linear in (layer.qkv, layer.output, layer.up, layer.down))
         self.linears.append(model.lm_head)
@@ -130,7 +134,7 @@ class DecodeStep:
             x = x + layer.down(self._ffn(layer, layer.norm2(x)))
         cache.next_position += 1
         cache.length += 1
-        logits = self.model.lm_head(self.model.ln_final(x))  # (B, V)
+        logits = self.model.lm_head(self.final_norm(x))  # (B, V)
         cap = self.model.config.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
@@ -140,12 +144,13 @@ class DecodeStep:
         """x (B, d_model) -> the attention output (B, H·d_k), before the output projection."""
         rows, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
         qkv = layer.qkv(x)  # (B, (H + 2·H_kv)·d_k)
-        q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-        q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+        qk, v = qkv.split(((heads + kv_heads) * head_dim, kv_heads * head_dim), dim=-1)
+        qk = qk.view(rows, heads + kv_heads, head_dim)  # q's heads, then k's: adjacent in qkv's columns
         if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
+            qk = torch.cat((layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])), dim=1)
         if rotation is not None:
-            q, k = _rotate(q, rotation), _rotate(k, rotation)
+            qk = _rotate(qk, rotation)  # q and k in one pass
+        q, k = qk.split((heads, kv_heads), dim=1)
         length = cache.length
         cache.keys[index][:, :, length] = k
         cache.values[index][:, :, length] = v.view(rows, kv_heads, head_dim)
@@ -173,6 +178,14 @@ class DecodeStep:
         if layer.ffn_kind is ReLU2FFN:
             return up.clamp_min(0).square()
         raise TypeError(f"DecodeStep has no FFN of kind {layer.ffn_kind.__name__}")
+
+
+def _fused_norm(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`norm` as torch's fused RMSNorm (aten's rms_norm): one op for the six of the readable forward, and the same
+    bits in float32, bf16, fp16 and float64 (tests/test_decode_step.py): it too normalizes in at least float32,
+    multiplies by the gain there and rounds once."""
+    weight, eps = norm.weight, norm.eps
+    return lambda x: torch.rms_norm(x, weight.shape, weight, eps)
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
