@@ -10,8 +10,10 @@ clock, plus process CPU time per step, which stays meaningful when other jobs sh
 - optionally ours under torch.compile (`--compile`).
 Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
 transformers imports included alike; its one model built and loaded from the saved weights + a few
-forward/backward steps), measured by harness.run_measured; its growth over a child that only imports is the
-model's own (weights, gradients, what backward keeps, its transients). The memory runs add "plain": ours as
+forward/backward steps): the child's own high-water mark, which it reads from the kernel at its end
+(getrusage's ru_maxrss), exact where sampling the RSS every 10 ms missed transient peaks by tens of MB; the
+lowest of the repeats counts. Its growth over a child that only imports is the model's own (weights, gradients,
+what backward keeps, its transients). The memory runs add "plain": ours as
 model/ reads, without kernels (the readable path a learner steps through; target: growth <= Llama eager's).
 
     .venv/bin/python benchmarks/bench_model.py            # tinystories-17m 8x256 and tiny, + memory
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import hf_llama, interleave, interleave_commands, python_command, report  # noqa: E402
+from harness import hf_llama, interleave, python_command, report, round_order  # noqa: E402
 from scratchlm.compat.hf import to_hf_state_dict  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM, kernels  # noqa: E402
 
@@ -132,23 +135,36 @@ CHILD_IMPORTS = (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).res
                  f"import bench_model as b; torch.set_num_threads(2); ")
 
 
+# Every child ends by printing its peak RSS (KB on Linux), the kernel's high-water mark of the whole run.
+PRINT_PEAK = "\nimport resource; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+
+
 def child_snippet(name: str, preset: str, batch: int, seq: int, folder: Path) -> str:
     return CHILD_IMPORTS + (
         f"cfg = b.ModelConfig.preset({preset!r}); m = b.build({name!r}, cfg, b.Path({str(folder)!r})).train(); "
         f"ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq + 1})); [b.train_step(m, ids) for _ in range(3)]")
 
 
+def child_peak_mb(code: str) -> float:
+    """Run `code` in a fresh interpreter; its peak RSS in MB, as it reports it at its end (PRINT_PEAK)."""
+    stdout = subprocess.run(python_command(code + PRINT_PEAK), capture_output=True, text=True, check=True).stdout
+    return int(stdout.rsplit("PEAK_RSS_KB", 1)[1]) / 1024
+
+
 def bench_memory(preset: str, batch: int, seq: int, repeats: int, folder: Path) -> None:
-    commands = {name: python_command(child_snippet(name, preset, batch, seq, folder))
-                for name in ("plain", *CONTENDERS)}
-    commands["baseline (imports only)"] = python_command(CHILD_IMPORTS)
-    results = interleave_commands(commands, repeats)
+    snippets = {name: child_snippet(name, preset, batch, seq, folder) for name in ("plain", *CONTENDERS)}
+    snippets["baseline (imports only)"] = CHILD_IMPORTS
+    peaks: dict[str, list[float]] = {name: [] for name in snippets}
+    for round_index in range(repeats):
+        for name in round_order(list(snippets), round_index):
+            peaks[name].append(child_peak_mb(snippets[name]))
     title = f"{preset} training-step peak RSS, batch {batch} x {seq}, one subprocess per run"
-    report(title + " — vs Llama eager", results, "ours", "llama-eager")
-    report(title + " — vs Llama sdpa", results, "ours", "llama-sdpa")
-    baseline = results["baseline (imports only)"].peak_mb
+    print(f"\n## {title}: each child's own high-water mark (ru_maxrss), MB, {repeats} runs each")
+    for name, values in peaks.items():
+        print(f"{name}: {', '.join(f'{value:,.1f}' for value in values)}")
+    baseline = min(peaks["baseline (imports only)"])
     print(f"baseline peak RSS (interpreter + imports, no model): {baseline:,.0f} MB")
-    growth = {name: results[name].peak_mb - baseline for name in ("plain", *CONTENDERS)}
+    growth = {name: min(peaks[name]) - baseline for name in ("plain", *CONTENDERS)}
     print(f"\n## {title} — peak RSS growth over the baseline (the model's own memory)")
     print("| contender | growth MB | / llama-eager |\n|---|---:|---:|")
     for name, grown in growth.items():

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scratchlm import config as config_module
+from scratchlm.cli import main
 from scratchlm.config import RunConfig, load_config
 from scratchlm.data import token_file
 from scratchlm.data.token_file import write_token_file
@@ -68,6 +70,26 @@ def test_a_budgeted_run_reads_its_tokenizer_and_each_token_file_once(world, read
     assert reads == once(world / "tok", world / "train.tok", world / "valid.tok")
     saved = load_config(world / "run" / "config.toml")
     assert saved.data.tokenizer_hash == BYTES.hash and saved.model.vocab_size == 256
+
+
+def test_a_resume_without_config_reads_the_runs_config_toml_once(world, reads, monkeypatch):
+    """`scratchlm train --run-dir RUN --resume` continues from RUN/config.toml: the CLI reads it, and the run's
+    resolution (its model, dtype and budget plan) takes it from there instead of reading it again."""
+    run = world / "run"
+    assert train(tiny(world, "run", f"data.tokenizer={world / 'tok'}", "train.max_steps=2",
+                      "optim.warmup_iters=1"), quiet=True).status == "finished"
+    toml_reads: Counter = Counter()
+    real_read = config_module.read_toml_tree
+
+    def read_toml_tree(path, *args):
+        toml_reads[Path(path).resolve()] += 1
+        return real_read(path, *args)
+
+    monkeypatch.setattr(config_module, "read_toml_tree", read_toml_tree)
+    reads.clear()
+    assert main(["train", "--run-dir", str(run), "--resume", "--quiet", "--set", "train.max_steps=3"]) == 0
+    assert toml_reads == once(run / "config.toml")
+    assert reads == once(run / "tokenizer", world / "train.tok", world / "valid.tok")
 
 
 def test_a_run_from_init_from_reads_the_sources_tokenizer_once(world, reads):

@@ -203,11 +203,12 @@ class RunConfig:
             sections[name] = _build_section(name, section_cls, table)
         return cls(**sections)
 
-    def with_overrides(self, overrides: list[str]) -> RunConfig:
-        """A copy with dotted ``section.key=value`` overrides applied (strings parsed to each field's type)."""
+    def with_overrides(self, overrides: list[str], source: str | Path | None = None) -> RunConfig:
+        """A copy with dotted ``section.key=value`` overrides applied (strings parsed to each field's type): for a
+        config read from ``source``, what ``load_config(source, overrides)`` gives, errors naming it too."""
         values = self.to_dict()
         apply_overrides(values, overrides)
-        return RunConfig.from_dict(values)
+        return _built(values, source)
 
     def save_toml(self, path: str | Path) -> None:
         """Write this config as a run's config.toml: ``run_relative`` to the file's folder, the run directory."""
@@ -262,9 +263,16 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """Read a TOML config (following ``extends``), apply ``--set`` overrides, build and validate it."""
     values = read_toml_tree(Path(path))
     apply_overrides(values, overrides or [])
+    return _built(values, path)
+
+
+def _built(values: dict[str, Any], path: str | Path | None) -> RunConfig:
+    """The config of ``values``; an error names ``path``, the file they were read from (if any)."""
     try:
         return RunConfig.from_dict(values)
     except (TypeError, ValueError) as error:
+        if path is None:
+            raise
         raise ValueError(f"{path}: {error}") from None
 
 

@@ -111,7 +111,9 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
                                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), mask bool (..., T_q, T_k) -> (..., T_q, d_v)."""
     check_attention_mask(mask)
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])  # (..., T_q, T_k)
+    # The scale and the mask edit the scores in place (neither's backward needs them), so a (T_q, T_k) tensor of
+    # scores exists once beside the softmax's, as in Hugging Face's eager attention, not two or three times.
+    scores = (Q @ K.transpose(-2, -1)).div_(math.sqrt(Q.shape[-1]))  # (..., T_q, T_k)
     if mask is None:
         return softmax(scores, dim=-1) @ V
     # A query whose keys are ALL masked attends to nothing: its output is 0. Its scores would be all -inf, and
@@ -119,7 +121,7 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     # output is zeroed. Zeroing the (T_q, d_v) output, not the weights, keeps one (T_q, T_k) tensor for backward
     # (the softmax output, which the product with V also keeps), not two.
     empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): the queries with no key to attend
-    weights = softmax(scores.masked_fill(~(mask | empty), float("-inf")), dim=-1)  # exp(-inf) = 0: masked keys
+    weights = softmax(scores.masked_fill_(~(mask | empty), float("-inf")), dim=-1)  # exp(-inf) = 0: masked keys
     return (weights @ V).masked_fill(empty, 0.0)  # get no weight
 
 

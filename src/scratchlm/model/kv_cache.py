@@ -22,10 +22,13 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 device=None, dtype=torch.float32) -> None:
+                 device=None, dtype=torch.float32, zeroed: bool = True) -> None:
+        # zeroed=False leaves the key/value buffers unwritten (a position is only read after it was written): on a
+        # CPU their pages then take no memory until used, for a server holding room for many rows.
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        new = torch.zeros if zeroed else torch.empty
+        self.keys = [new(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [new(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.key_padding = torch.ones(batch_size, max_seq_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_seq_len = max_seq_len
@@ -33,11 +36,11 @@ class KVCache:
         self.has_padding = False  # set once any call passed an attention_mask: then masks are applied
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> KVCache:
+    def for_model(cls, model, batch_size: int, max_seq_len: int | None = None, zeroed: bool = True) -> KVCache:
         """A cache sized for `model` (a TransformerLM), on its device and in its dtype."""
         layers, heads, head_dim, dtype, device = _layout(model)
         return cls(layers, batch_size, heads, max_seq_len or model.config.context_length, head_dim, device=device,
-                   dtype=dtype)
+                   dtype=dtype, zeroed=zeroed)
 
     def rows(self, count: int) -> KVCache:
         """A cache of the first `count` rows over the same buffers (writes to either show in both), at this

@@ -15,7 +15,9 @@ a cache of `capacity` rows and decodes its first `rows` (`cache`, a KVCache over
 
 Why buffers allocated once: a new cache for every join and leave zero-filled fresh pages of the batch's whole
 size (and the copies faulted them in), which cost as much as a decoding step each time (~4 ms at 8 rows of
-tinystories-17m); a join or a leave now copies only the rows that move. Invariant: in every row,
+tinystories-17m); a join or a leave now copies only the rows that move. They are left unwritten (KVCache's
+`zeroed=False`): only written positions are ever read (a joining row's padding columns are zeroed as it
+joins), and on a CPU an idle server's pages take no memory, however many rows it has room for. Invariant: in every row,
 the columns from the cache's length on are marked real (True), as a fresh KVCache has them, so each decoding
 step's new key is attended.
 """
@@ -27,7 +29,8 @@ from scratchlm.model import KVCache, TransformerLM
 
 class BatchCache:
     def __init__(self, model: TransformerLM, capacity: int) -> None:
-        self.store = KVCache.for_model(model, capacity)  # the buffers; its own length is never used
+        # The buffers (their own length is never used), unwritten: a page takes memory once a row has used it.
+        self.store = KVCache.for_model(model, capacity, zeroed=False)
         self.cache: KVCache | None = None  # the first `rows` rows, what each decoding step reads and extends
 
     @property

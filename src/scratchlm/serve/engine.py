@@ -10,11 +10,11 @@ then one token per step) and gives the same tokens for the same seed; beside oth
 distribution does not depend on the rows beside it.
 
 A joining sequence is prefilled alone, into a one-row scratch cache, then copied into the batch's cache
-(batch_cache.py: buffers for max_batch rows, allocated with the engine, so the server's memory under load is
-known from the start). Its prompt plus its max_tokens - 1 (the last token is never fed back) must fit the
-model's context (`check`; there is no sliding window here), which is what lets `BatchCache.compact` always make
-room. Results go out through each sequence's `emit` callback, called on the engine thread: `Token` per sampled
-token, then `Finished`, or `Failed` (shutdown, or an error in a step).
+(batch_cache.py: buffers for max_batch rows, allocated once with the engine and filled as rows use them).
+Its prompt plus its max_tokens - 1 (the last token is never fed back) must fit the model's context (`check`;
+there is no sliding window here), which is what lets `BatchCache.compact` always make room. Results go out
+through each sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then
+`Finished`, or `Failed` (shutdown, or an error in a step).
 With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
 With `logprobs`, a sampled <|endoftext|> is a `Token` too (text '', with its log-probability) before `Finished`:
 every sampled token has its entry, as in OpenAI's logprobs, which lm-eval's log-likelihood relies on.

@@ -121,19 +121,22 @@ def run_train(args: argparse.Namespace) -> int:
     from scratchlm.train import distributed
     from scratchlm.train.trainer import CONFIG_FILE, train
 
-    config_path = args.config
-    if config_path is None:
+    saved = None  # the run's own config.toml, when it is what this resume continues from: read here, once
+    if args.config is None:
         if not (args.resume and args.run_dir):
             raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
-        config_path = Path(args.run_dir) / CONFIG_FILE
-    config = load_config(config_path, train_overrides(args))
+        saved_path = Path(args.run_dir) / CONFIG_FILE
+        saved = load_config(saved_path)
+        config = saved.with_overrides(train_overrides(args), saved_path)
+    else:
+        config = load_config(args.config, train_overrides(args))
     _refuse_overwriting_config(args.config, Path(config.train.run_dir) / CONFIG_FILE)
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
         result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
                        model_overrides=stated_values(args.overrides, "model"),  # what --init-from checks
-                       force_memory=args.force_memory)
+                       force_memory=args.force_memory, saved=saved)
     if result.status != "finished":
         print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
     elif not quiet:

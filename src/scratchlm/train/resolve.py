@@ -56,12 +56,16 @@ class ResolvedRun:
 
 
 def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
-                model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool) -> ResolvedRun:
+                model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool,
+                saved: RunConfig | None = None) -> ResolvedRun:
     """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
-    run starts from nor the budget's plan (rank 0 prints them)."""
+    run starts from nor the budget's plan (rank 0 prints them). ``saved``: on resume, the run's config.toml if
+    the caller read it already (the CLI's `--resume` without `--config` continues from it)."""
     run_dir = Path(config.train.run_dir)
     saved_path = run_dir / CONFIG_FILE
-    saved = load_config(saved_path) if resume and saved_path.is_file() else None
+    if saved is None and resume and saved_path.is_file():
+        saved = load_config(saved_path)
+    saved = saved if resume else None
     config, source = _starting_point(config, run_dir, resume, saved, model_overrides)
     if source is not None and not quiet:
         print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",

@@ -147,7 +147,7 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
-          force_memory: bool = False) -> TrainResult:
+          force_memory: bool = False, saved: RunConfig | None = None) -> TrainResult:
     """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
     docstring.
 
@@ -156,6 +156,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
     model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
     ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
+    ``saved``: on resume, the run's config.toml when the caller has read it already (else it is read here).
     """
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
@@ -168,7 +169,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     if is_main_process:
         prepare_run_dir(run_dir, resume)
     run = resolve_run(config, resume=resume, device=device, world_size=world_size, model_overrides=model_overrides,
-                      force_memory=force_memory, quiet=quiet or not is_main_process)
+                      force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved)
     default_threads = torch.get_num_threads()
     if run.config.train.threads is not None:
         torch.set_num_threads(run.config.train.threads)
