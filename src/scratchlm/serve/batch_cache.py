@@ -49,9 +49,8 @@ class BatchCache:
             has_padding = True
         new_length = max(length, prefilled.length)
         _copy_in(prefilled, self.store, slice(rows, rows + joining), shift=new_length - prefilled.length)
-        self.cache = self.store.rows(rows + joining)
-        self.cache.length = new_length
-        self.cache.has_padding = has_padding or prefilled.has_padding or (rows > 0 and length != prefilled.length)
+        self._use_rows(rows + joining, new_length,
+                       has_padding or prefilled.has_padding or (rows > 0 and length != prefilled.length))
 
     def keep(self, kept: list[int]) -> list[int]:
         """Only the rows `kept` stay; returns the old index of each row left, in its new place. Each place a
@@ -72,10 +71,14 @@ class BatchCache:
             store.key_padding[hole] = store.key_padding[mover]
             store.next_position[hole] = store.next_position[mover]
             order[hole] = mover
-        self.cache = store.rows(count) if count else None
+        self._use_rows(count, length, has_padding)
+        return order[:count]
+
+    def _use_rows(self, count: int, length: int, has_padding: bool) -> None:
+        """Decode the store's first `count` rows from now on (none: no cache), at `length`."""
+        self.cache = self.store.rows(count) if count else None
         if self.cache is not None:
             self.cache.length, self.cache.has_padding = length, has_padding
-        return order[:count]
 
     def compact(self) -> int:
         """Drop the leading columns that are padding in every row (in place); returns how many were dropped."""
