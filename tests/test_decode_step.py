@@ -77,6 +77,26 @@ def test_the_step_equals_the_forward_logits_and_cache_with_left_padding(dtype, o
     _assert_same_cache(step_cache, forward_cache, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overrides", SWITCHES)
+def test_a_prefill_through_the_step_equals_the_forward_in_chunks_up_to_the_context(dtype, overrides):
+    """Several new tokens a row (a prompt, then a second chunk of it): each token attends to the cache and to the
+    tokens before it, at its own position, until the context is full."""
+    model = _model(dtype, **overrides)
+    context = model.config.context_length
+    ids = torch.randint(0, model.config.vocab_size, (2, context), generator=torch.Generator().manual_seed(3))
+    forward_cache, step_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
+    step = DecodeStep(model)
+    with torch.inference_mode(), tuned_weights(step.linears, 2):
+        for start, end in ((0, 7), (7, 12), (12, 13), (13, context)):
+            want = model(ids[:, start:end], kv_cache=forward_cache, last_only=True)
+            got = step(ids[:, start:end], step_cache)
+            assert got.shape == want.shape == (2, 1, model.config.vocab_size)
+            assert_close(got, want, **TOLERANCE[dtype])
+    _assert_same_cache(step_cache, forward_cache, TOLERANCE[dtype])
+    assert step_cache.length == context
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
     norm = RMSNorm(48, eps=1e-6, dtype=dtype)
@@ -120,21 +140,23 @@ def test_what_the_step_does_not_compute_goes_to_the_forward(monkeypatch):
     monkeypatch.setattr(DecodeStep, "_step", lambda self, ids, cache: calls.append(ids) or self.model.lm_head(
         self.model.token_embeddings(ids)))
     cache, ids = _prefilled(model, [4, 4])
+    padded, _ = _prefilled(model, [4, 2])
     with torch.inference_mode():
-        step(ids[:, :3], cache)  # several new tokens
-        step(ids[:, 3:4], cache, torch.ones(2, 1, dtype=torch.bool))  # an attention mask
+        step(ids[:, :3], padded)  # several new tokens after padding
+        step(ids[:, 3:4], padded, torch.ones(2, 1, dtype=torch.bool))  # an attention mask
         assert not calls
         step(ids[:, 4:5], cache)
-        assert len(calls) == 1
+        step(ids[:, 5:8], cache)  # several new tokens without padding: a prefill
+        assert len(calls) == 2
     with torch.no_grad():
         model.lm_head.weight.mul_(2)  # changed in place since the step was built
     with torch.inference_mode():
         step(ids[:, 5:6], cache)
-    assert len(calls) == 1
+    assert len(calls) == 2
     fresh = _model()
     with torch.enable_grad():  # autograd on
         DecodeStep(fresh)(ids[:, :1], KVCache.for_model(fresh, 2))
-    assert len(calls) == 1
+    assert len(calls) == 2
     full = _model(context_length=8)
     full_cache, _ = _prefilled(full, [8])
     with torch.inference_mode(), pytest.raises(ValueError, match="exceeds context_length 8"):

@@ -237,7 +237,10 @@ class Engine:
         if sampling.max_tokens > 0:
             cache = self._prefill_cache
             cache.reset()
-        logits = self.model(ids, kv_cache=cache, last_only=not sampling.prompt_logprobs)  # (1, P or 1, V)
+        if sampling.prompt_logprobs or cache is None:  # every position's logits: the model's forward
+            logits = self.model(ids, kv_cache=cache, last_only=not sampling.prompt_logprobs)  # (1, P or 1, V)
+        else:
+            logits = self._forward(ids, cache)  # (1, 1, V): the decoding step, as generate() prefills
         if sampling.prompt_logprobs:
             sequence.emit(self._prompt_logprobs(sequence.prompt_ids, logits[0], sampling.logprobs or 0))
         if sampling.max_tokens == 0:

@@ -12,7 +12,7 @@ readable path (values and gradients) in tests/test_kernels.py:
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, a few rows (by timing)   |
 | tuned_linear      | `Linear.matmul`, within `decoding`               | CPU: times the strategies, keeps the best |
-| decode_step       | `TransformerLM.forward` of one new token a row   | CPU decoding (fewer, larger ops)          |
+| decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
 the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks

@@ -1,22 +1,25 @@
-"""One decoding step of a TransformerLM in as few tensor ops as its math allows: the step of generate() and serve.
+"""A decoding step of a TransformerLM in as few tensor ops as its math allows: the steps (and the prefills) of
+generate() and serve.
 
 Wins on: CPUs, for the small models this project trains, where a decoding step is bound as much by the number of
 tensor ops as by streaming the weights: tinystories-17m at batch 1 spent ~4 of its ~8 ms a token outside the
 matmuls, in the ~30 ops a layer of the readable forward (each a dispatch of a few microseconds; profile in
-docs/benchmarks.md). `DecodeStep(model)` computes what `model(ids (B, 1), kv_cache=cache, last_only=True)`
+docs/benchmarks.md). `DecodeStep(model)` computes what `model(ids (B, T), kv_cache=cache, last_only=True)`
 computes for a pre-norm RMSNorm model, with:
 - q, k and v as one product against their concatenated weights, and SwiGLU's W1 and W3 as one: half the calls,
   and larger products, which oneDNN and BLAS run nearer memory speed;
-- RoPE on q and k together (adjacent in that product's output) as one complex multiply by each row's position
+- the B·T new tokens as the rows of every product, through the same timed matmuls (tuned_linear.py) as a step:
+  a prompt's prefill too (16 tokens of tinystories-17m at batch 1: 9.5 -> 7.7 ms fp32, 6.7 -> 3.9 ms bf16);
+- RoPE on q and k together (adjacent in that product's output) as one complex multiply by each token's position
   (complex_rope.py's rotation);
 - every RMSNorm as torch's fused rms_norm (aten), bit for bit the readable norm, in one op instead of six;
-- the attention of each row's one query over its cached keys as two batched products around one softmax, the
-  query heads of a grouped-query KV head batched together (no repeated K and V), in at least float32;
+- the attention of the new tokens over the cached keys and their own as two batched products around one softmax,
+  the query heads of a grouped-query KV head batched together (no repeated K and V), in at least float32;
 - no checks beyond the cache's own: the caller (generate(), the server) made the ids.
-Its products are timed like every decoding matmul (tuned_linear.py). Anything else goes to the model's forward:
-several new tokens (a prefill), an attention mask, autograd on, another kind of model (post-norm, LayerNorm),
-a cache full to the context, or weights changed in place since the step was built. Proven equal to the forward
-over many steps, with padding and grouped heads, in tests/test_decode_step.py.
+Anything else goes to the model's forward: several new tokens after left padding, an attention mask, autograd
+on, another kind of model (post-norm, LayerNorm), more tokens than the context has left, or weights changed in
+place since the step was built. Proven equal to the forward over many steps and prefills, with padding and
+grouped heads, in tests/test_decode_step.py.
 """
 
 from __future__ import annotations
@@ -75,12 +78,15 @@ class _Layer:
 
 class DecodeStep:
     """`model(ids, kv_cache=cache, attention_mask=mask, last_only=True)` -> (B, 1, V), through the fused step
-    where it applies (one new token a row, a cache, no mask, no autograd), through the model's forward otherwise.
+    where it applies (a cache, no mask, no autograd; one new token a row, or several on a cache without padding),
+    through the model's forward otherwise.
     `linears` are the Linear layers the step multiplies by, for tuned_linear.tuned_weights to tune."""
 
     def __init__(self, model: TransformerLM):
         self.model = model
         self.layers = [_Layer(block) for block in model.layers]
+        attention = model.layers[0].attn
+        self.group = attention.num_heads // attention.num_kv_heads  # query heads per KV head
         self.final_norm = _fused_norm(model.ln_final)
         self.linears = nn.ModuleList(linear for layer in self.layers
                                      for linear in (layer.qkv, layer.output, layer.up, layer.down))
@@ -98,7 +104,7 @@ class DecodeStep:
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self._applies(ids, kv_cache, attention_mask):
             return self.model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
-        return self._step(ids[:, 0], kv_cache)[:, None]
+        return self._step(ids, kv_cache)[:, None]
 
     def timing_pass(self, rows: int) -> Callable[[], None]:
         """One step of `rows` rows on a scratch cache: what tuned_linear times each matmul strategy by."""
@@ -108,63 +114,77 @@ class DecodeStep:
         def one_step() -> None:
             if cache.length == cache.max_seq_len:
                 cache.reset()
-            self._step(ids, cache)
+            self._step(ids[:, None], cache)
 
         return one_step
 
     def _applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
-        return (cache is not None and attention_mask is None and ids.dim() == 2 and ids.shape[1] == 1
-                and not torch.is_grad_enabled() and cache.length < self.model.config.context_length
+        # Several new tokens (a prefill) only without padding: a padded row's positions are its own count.
+        return (cache is not None and attention_mask is None and ids.dim() == 2
+                and (ids.shape[1] == 1 or (ids.shape[1] > 1 and not cache.has_padding))
+                and not torch.is_grad_enabled() and cache.length + ids.shape[1] <= self.model.config.context_length
                 and all(parameter._version == version for parameter, version in self.sources))
 
     def _step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """ids (B,) -> logits (B, V); writes each layer's key and value at the cache's length and advances it."""
-        cache.check_room(1, ids.shape[0])
+        """ids (B, T) -> the last position's logits (B, V); writes each layer's T keys and values at the cache's
+        length and advances it. The B·T tokens go through every product as one matrix of rows."""
+        rows, new = ids.shape
+        cache.check_room(new, rows)
         cache.check_model(self.model)
         length = cache.length
-        # Each row's position: its count of real tokens (with padding), else the shared length.
+        # Each token's position: with padding (one new token) the row's count of real tokens, else length + t.
         rotation = None
         if self.rotation is not None:
-            rotation = self.rotation[cache.next_position if cache.has_padding else length]  # (B or 1, d_k/2)
-            rotation = rotation.view(-1, 1, rotation.shape[-1])  # broadcast over heads
-        masked = ~cache.key_padding[:, None, None, :length + 1] if cache.has_padding else None  # (B, 1, 1, T_k)
-        x = self.model.token_embeddings.weight[ids]  # (B, d_model)
+            if cache.has_padding:
+                rotation = self.rotation[cache.next_position][:, None]  # (B, 1, d_k/2)
+            else:
+                rotation = self.rotation[length:length + new]  # (T, d_k/2)
+            rotation = rotation.reshape(-1, new, 1, rotation.shape[-1])  # (B or 1, T, 1, d_k/2): over heads
+        x = self.model.token_embeddings.weight[ids.reshape(-1)]  # (B·T, d_model)
+        masked = _masked_keys(cache, new, self.group)
         for index, layer in enumerate(self.layers):
-            x = x + layer.output(self._attention(layer, layer.norm1(x), cache, index, rotation, masked))
+            x = x + layer.output(self._attention(layer, layer.norm1(x), rows, cache, index, rotation, masked))
             x = x + layer.down(self._ffn(layer, layer.norm2(x)))
-        cache.next_position += 1
-        cache.length += 1
-        logits = self.model.lm_head(self.final_norm(x))  # (B, V)
+        cache.next_position += new
+        cache.length += new
+        last = x.view(rows, new, -1)[:, -1]  # (B, d_model)
+        logits = self.model.lm_head(self.final_norm(last))  # (B, V)
         cap = self.model.config.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
     @staticmethod
-    def _attention(layer: _Layer, x: torch.Tensor, cache: KVCache, index: int, rotation: torch.Tensor | None,
-                   masked: torch.Tensor | None) -> torch.Tensor:
-        """x (B, d_model) -> the attention output (B, H·d_k), before the output projection."""
-        rows, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
-        qkv = layer.qkv(x)  # (B, (H + 2·H_kv)·d_k)
+    def _attention(layer: _Layer, x: torch.Tensor, rows: int, cache: KVCache, index: int,
+                   rotation: torch.Tensor | None, masked: torch.Tensor | None) -> torch.Tensor:
+        """x (B·T, d_model) -> the attention output (B·T, H·d_k), before the output projection."""
+        heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+        group, new = heads // kv_heads, x.shape[0] // rows
+        qkv = layer.qkv(x)  # (B·T, (H + 2·H_kv)·d_k)
         qk, v = qkv.split(((heads + kv_heads) * head_dim, kv_heads * head_dim), dim=-1)
-        qk = qk.view(rows, heads + kv_heads, head_dim)  # q's heads, then k's: adjacent in qkv's columns
+        qk = qk.view(rows, new, heads + kv_heads, head_dim)  # q's heads, then k's: adjacent in qkv's columns
         if layer.q_norm is not None:
-            qk = torch.cat((layer.q_norm(qk[:, :heads]), layer.k_norm(qk[:, heads:])), dim=1)
+            qk = torch.cat((layer.q_norm(qk[:, :, :heads]), layer.k_norm(qk[:, :, heads:])), dim=2)
         if rotation is not None:
             qk = _rotate(qk, rotation)  # q and k in one pass
-        q, k = qk.split((heads, kv_heads), dim=1)
+        q, k = qk.split((heads, kv_heads), dim=2)
         length = cache.length
-        cache.keys[index][:, :, length] = k
-        cache.values[index][:, :, length] = v.view(rows, kv_heads, head_dim)
+        cache.keys[index][:, :, length:length + new] = k.transpose(1, 2)
+        cache.values[index][:, :, length:length + new] = v.view(rows, new, kv_heads, head_dim).transpose(1, 2)
         # In at least float32: a CPU's bf16 batched products are emulated and ~2x slower (batch 1) than
         # upcasting this step's keys and values (a small copy) and multiplying in float32. The sums are float32
         # either way; only the scores and weights skip their rounding to bf16.
         real = torch.promote_types(x.dtype, torch.float32)
-        keys = cache.keys[index][:, :, :length + 1].to(real)  # (B, H_kv, T_k, d_k)
-        values = cache.values[index][:, :, :length + 1].to(real)
-        grouped = q.to(real).view(rows, kv_heads, heads // kv_heads, head_dim)  # (B, H_kv, group, d_k)
-        scores = grouped @ keys.transpose(-2, -1) / math.sqrt(head_dim)  # (B, H_kv, group, T_k)
+        keys = cache.keys[index][:, :, :length + new].to(real)  # (B, H_kv, T_k, d_k)
+        values = cache.values[index][:, :, :length + new].to(real)
+        # The query heads of a KV head and their T tokens as one block of rows (no repeated K and V): one new token
+        # makes this a view, (B, H_kv, group, d_k).
+        grouped = q.to(real).view(rows, new, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(rows, kv_heads, group * new, head_dim)  # (B, H_kv, group·T, d_k)
+        scores = grouped @ keys.transpose(-2, -1) / math.sqrt(head_dim)  # (B, H_kv, group·T, T_k)
         if masked is not None:
-            scores = scores.masked_fill(masked, float("-inf"))  # the row's own new key is real: never all masked
-        return (torch.softmax(scores, dim=-1) @ values).to(x.dtype).view(rows, heads * head_dim)
+            scores = scores.masked_fill(masked, float("-inf"))  # a token's own key is real: never all masked
+        out = torch.softmax(scores, dim=-1) @ values  # (B, H_kv, group·T, d_k)
+        out = out.view(rows, kv_heads, group, new, head_dim).permute(0, 3, 1, 2, 4)  # (B, T, H_kv, group, d_k)
+        return out.to(x.dtype).reshape(rows * new, heads * head_dim)
 
     @staticmethod
     def _ffn(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -188,10 +208,25 @@ def _fused_norm(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.rms_norm(x, weight.shape, weight, eps)
 
 
+def _masked_keys(cache: KVCache, new: int, group: int) -> torch.Tensor | None:
+    """Where each new token must not attend, for scores (B, H_kv, group·T, T_k) (None: nowhere): with padding
+    (one new token), the padded keys, (B, 1, 1, T_k); for several tokens, the keys after each token's own position,
+    (group·T, T_k), token t at rows t, T + t, 2·T + t, ... (the grouped queries' order)."""
+    length = cache.length
+    if cache.has_padding:
+        return ~cache.key_padding[:, None, None, :length + 1]
+    if new == 1:
+        return None
+    device = cache.key_padding.device
+    own_position = length + torch.arange(new, device=device)  # (T,)
+    return torch.arange(length + new, device=device) > own_position.repeat(group)[:, None]
+
+
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, d_k) with each adjacent pair rotated by rotation (B or 1, 1, d_k/2), in at least float32."""
+    """x (B, T, heads, d_k) with each adjacent pair rotated by rotation (B or 1, T, 1, d_k/2), in at least
+    float32."""
     real = torch.promote_types(x.dtype, torch.float32)
-    pairs = torch.view_as_complex(x.to(real).unflatten(-1, (-1, 2)).contiguous())  # (B, heads, d_k/2)
+    pairs = torch.view_as_complex(x.to(real).unflatten(-1, (-1, 2)).contiguous())  # (B, T, heads, d_k/2)
     return torch.view_as_real(pairs * rotation.to(pairs.dtype)).flatten(-2).to(x.dtype)
 
 
