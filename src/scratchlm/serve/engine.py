@@ -128,7 +128,7 @@ class Engine:
         self._wakeup = threading.Condition()
         self._rows: list[_Row] = []
         self._batch = batch_cache.BatchCache(model, max_batch)
-        self._prefill_cache = KVCache.for_model(model, 1)  # reset for each joining sequence
+        self._prefill_cache = KVCache.for_model(model, 1, zeroed=False)  # reset for each joining sequence
         self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
         self._stopping = False
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
