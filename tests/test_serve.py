@@ -14,6 +14,7 @@ import torch
 
 from scratchlm.generate.sampling import generate
 from scratchlm.model import TransformerLM
+from scratchlm.serve.commands import off_the_main_thread
 from scratchlm.serve.engine import Sampling, Sequence
 from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, httpx, serving, tiny_model, wait_until_idle
 
@@ -342,3 +343,21 @@ def test_the_playground_page_is_served(server):
     response = httpx.get(f"{server[0]}/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert 'id="generate"' in response.text and "/v1/completions" in response.text
+
+
+def test_the_model_loads_on_a_thread_that_ends_and_its_errors_reach_the_caller():
+    """serve loads the model off the main thread, so that thread's OpenMP team ends with it (commands.py)."""
+    loaders: list[threading.Thread] = []
+
+    def load() -> str:
+        loaders.append(threading.current_thread())
+        return "model"
+
+    assert off_the_main_thread(load) == "model"
+    assert loaders[0] is not threading.main_thread() and not loaders[0].is_alive()
+
+    def fail() -> None:
+        raise ValueError("no checkpoint in runs/x")
+
+    with pytest.raises(ValueError, match="no checkpoint in runs/x"):
+        off_the_main_thread(fail)
