@@ -1,6 +1,6 @@
 """Would torch.compile (inductor, on the CPU) decode faster than our fused step? Issue 23 asks to measure it.
 
-    .venv/bin/python benchmarks/bench_compile_decode.py [--threads 2]
+    .venv/bin/python benchmarks/bench_compile_decode.py [--quick] [--threads 2]
 
 The contender is a compile-friendly copy of decode_step.py's math for tinystories-17m (random weights): the same
 fused q/k/v and W1/W3 products, RMSNorm in float32, RoPE in real arithmetic (inductor has no code for complex
@@ -27,6 +27,12 @@ from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 
 PRESET = "tinystories-17m"
 STEPS = 100
+QUICK_STEPS = 30
+
+
+def frozen(*tensors: torch.Tensor) -> nn.Parameter:
+    """The tensors concatenated along their first dimension, as a parameter without gradient."""
+    return nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
 
 
 class StaticStep(nn.Module):
@@ -34,7 +40,6 @@ class StaticStep(nn.Module):
 
     def __init__(self, model: TransformerLM):
         super().__init__()
-        frozen = lambda *tensors: nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
         layers = model.layers
         self.embedding, self.head = model.token_embeddings.weight, model.lm_head.weight
         self.qkv = nn.ParameterList(frozen(b.attn.q_proj.weight, b.attn.k_proj.weight, b.attn.v_proj.weight)
@@ -77,16 +82,16 @@ class StaticStep(nn.Module):
         return self._norm(self.final_norm, x) @ self.head.t()
 
 
-def median_ms(step) -> float:
+def median_ms(step, steps: int) -> float:
     times = []
-    for position in range(22, 22 + STEPS):
+    for position in range(22, 22 + steps):
         start = time.perf_counter()
         step(position)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
 
-def measure(dtype: torch.dtype, rows: int) -> tuple[float, float, float]:
+def measure(dtype: torch.dtype, rows: int, steps: int) -> tuple[float, float, float]:
     """(ours ms a step, compiled ms a step, compile seconds)."""
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.preset(PRESET), dtype=dtype).eval()
@@ -99,29 +104,32 @@ def measure(dtype: torch.dtype, rows: int) -> tuple[float, float, float]:
             def our_step(position: int) -> None:
                 ours(ids[:, None], cache)
 
-            ours_ms = median_ms(our_step)
+            ours_ms = median_ms(our_step, steps)
         static = torch.compile(StaticStep(model).eval(), fullgraph=True, dynamic=False)
         cache = KVCache.for_model(model, rows)
         start = time.perf_counter()
         static(ids, torch.tensor(0), cache.keys, cache.values)
         compile_s = time.perf_counter() - start
-        compiled_ms = median_ms(lambda position: static(ids, torch.tensor(position), cache.keys, cache.values))
+        compiled_ms = median_ms(lambda position: static(ids, torch.tensor(position), cache.keys, cache.values),
+                                steps)
     return ours_ms, compiled_ms, compile_s
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps instead of {STEPS}")
     args = parser.parse_args()
+    steps = QUICK_STEPS if args.quick else STEPS
     torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config
     inductor_config.freezing = True
-    print(f"{PRESET}, {args.threads} threads, median of {STEPS} steps at positions 22-{21 + STEPS}")
+    print(f"{PRESET}, {args.threads} threads, median of {steps} steps at positions 22-{21 + steps}")
     print("| dtype, batch | ours (kernels.decoding) ms | torch.compile ms | compiled / ours | compile s |")
     print("|---|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 8):
-            ours_ms, compiled_ms, compile_s = measure(dtype, rows)
+            ours_ms, compiled_ms, compile_s = measure(dtype, rows, steps)
             print(f"| {str(dtype).removeprefix('torch.')}, {rows} | {ours_ms:.2f} | {compiled_ms:.2f} | "
                   f"{compiled_ms / ours_ms:.2f} | {compile_s:.1f} |", flush=True)
 
