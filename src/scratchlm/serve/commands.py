@@ -110,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+
     def load() -> tuple:
         model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
         return model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype])), config
