@@ -7,10 +7,11 @@ with `--rival transformers`, the same loads on Hugging Face's `transformers serv
     .venv/bin/python benchmarks/bench_serve.py --rival transformers [--threads 1]   # ours vs transformers serve
 
 The server is `python -m scratchlm serve RUN` on a fresh run holding a random model (the preset's shape) and a
-byte-level tokenizer, started once for all loads. Each client sends its requests one after another (streamed,
-temperature 1, a different seed each), and every load stops by itself after N x M requests. Reported per load:
-p50/p95 request latency and time to the first chunk with text, total completion tokens/s, the mean completion
-tokens of a request, the error count (the target is 0) and the server's RSS: its peak, and its growth from after
+byte-level tokenizer, started once for all loads. N clients take the load's N x M requests from one shared list,
+each sending its next as its previous one ends (streamed, temperature 1, a different seed each), and every load
+stops by itself when the list is done. Reported per load: p50/p95 request latency and time to the first chunk with
+text, total completion tokens/s, the mean completion tokens of a request, the share of the load's time with all N
+clients busy ("full"), the error count (the target is 0) and the server's RSS: its peak, and its growth from after
 the warm-up to the end (bounded: the batch's caches are freed as requests leave). Target (issue 24): 8 clients
 >= 4x the total tokens/s of 1 client, which is what continuous batching buys: one forward pass
 decodes every active request.
@@ -185,14 +186,27 @@ def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> t
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler) -> dict:
+    """`clients` threads send the load's clients x requests requests, each taking the next one from a shared list
+    as its previous one ends (how vLLM's benchmark_serving holds a --max-concurrency): all `clients` stay busy
+    until the list runs out. A fixed list of `requests` per client, as this benchmark had until 2026-12-05, let
+    the clients whose requests happened to end early (at <|endoftext|>) go idle while the others finished
+    theirs, and the load ended with fewer clients than it is named for. `full_share` is the share of the
+    load's time with every client busy."""
     latencies, firsts, tokens, prompt_tokens, errors = [], [], [], set(), []
     lock = threading.Lock()
+    pending = iter(range(clients * requests))  # each request's seed is its index
+    ran_out: list[float] = []  # when each client found the list empty
 
-    def client_loop(client_index: int) -> None:
+    def client_loop() -> None:
         with httpx.Client(timeout=600) as client:
-            for request in range(requests):
+            while True:
+                with lock:
+                    seed = next(pending, None)
+                    if seed is None:
+                        ran_out.append(time.perf_counter())
+                        return
                 try:
-                    result = one_request(client, url, max_tokens, seed=client_index * 1000 + request)
+                    result = one_request(client, url, max_tokens, seed=seed)
                 except Exception as error:  # counted and reported: the load goes on
                     with lock:
                         errors.append(f"{type(error).__name__}: {error}")
@@ -206,7 +220,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
     rss.reset()
     start_rss = rss.now()
     started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -224,6 +238,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
             "prompt_tokens": sorted(prompt_tokens),
             "p50_s": quantile(latencies, 50), "p95_s": quantile(latencies, 95),
             "ttft_p50_s": quantile(firsts, 50), "ttft_p95_s": quantile(firsts, 95),
+            "full_share": (min(ran_out) - started) / seconds,
             "errors": len(errors), "error_examples": errors[:3],
             "peak_rss_mb": rss.peak / 2**20, "rss_growth_mb": (rss.now() - start_rss) / 2**20}
 
@@ -250,11 +265,12 @@ def measure(command: list[str], env: dict[str, str], port: int, log: Path, clien
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
     print(f"{'server':>12} {'clients':>7} {'requests':>8} {'tokens/s':>9} {'tok/req':>7} {'p50 s':>7} {'p95 s':>7} "
-          f"{'ttft p50':>8} {'ttft p95':>8} {'errors':>6} {'peak RSS MB':>11} {'RSS growth MB':>13}")
+          f"{'ttft p50':>8} {'ttft p95':>8} {'full':>5} {'errors':>6} {'peak RSS MB':>11} {'RSS growth MB':>13}")
     for name, r in rows:
         print(f"{name:>12} {r['clients']:>7} {r['requests']:>8} {r['tokens_per_s']:>9.1f} "
               f"{r['tokens_per_request']:>7.1f} {r['p50_s']:>7.3f} {r['p95_s']:>7.3f} {r['ttft_p50_s']:>8.3f} "
-              f"{r['ttft_p95_s']:>8.3f} {r['errors']:>6} {r['peak_rss_mb']:>11.1f} {r['rss_growth_mb']:>13.1f}")
+              f"{r['ttft_p95_s']:>8.3f} {r['full_share']:>5.0%} {r['errors']:>6} {r['peak_rss_mb']:>11.1f} "
+              f"{r['rss_growth_mb']:>13.1f}")
         for example in r["error_examples"]:
             print(f"        error: {example}")
 
