@@ -402,7 +402,7 @@ def test_batched_decoding_with_each_matmul_strategy_matches_the_readable_model_a
     assert model.lm_head.matmul is linear  # the model is back on the readable path
     decoding, real = kernels.decoding, tuned_linear.tuned_weights
     monkeypatch.setattr(kernels, "decoding",  # the readable model
-                        lambda m, rows: contextlib.nullcontext(kernels.forward_step(m)))
+                        lambda m, rows, compile=False: contextlib.nullcontext(kernels.forward_step(m)))
     want = generate(model, prompts, 2 * CONTEXT, temperature=0)
     monkeypatch.setattr(kernels, "decoding", decoding)
     for strategy in tuned_linear.strategies():

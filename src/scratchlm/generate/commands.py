@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
                              "on the hardware)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode a bf16 model on the CPU through torch.compile: faster per token after a "
+                             "compile of seconds (worth it for long or many samples; other dtypes decode as without)")
     add_cs336_checkpoint_arguments(parser)
     parser.set_defaults(func=run_generate)
 
@@ -80,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
         # vocab_limit: a model's vocabulary may be padded past the tokenizer's, and those ids have no text
         steps = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                        top_k=args.top_k, eos_id=eos_id, seed=None if args.seed is None else args.seed + sample,
-                       vocab_limit=tokenizer.vocab_size)
+                       vocab_limit=tokenizer.vocab_size, compile=args.compile)
         write_stream(args.prompt, (step[0] for step in steps), tokenizer, sys.stdout)
     return 0
 

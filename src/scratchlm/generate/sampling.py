@@ -124,16 +124,18 @@ def _groups(values: Sequence) -> list[tuple[object, slice | list[int]]]:
 
 def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None, eos_id: int | None = None,
-             seed: int | None = None, use_cache: bool = True, vocab_limit: int | None = None) -> list[list[int]]:
+             seed: int | None = None, use_cache: bool = True, vocab_limit: int | None = None,
+             compile: bool = False) -> list[list[int]]:
     """The new tokens of each prompt (a list of prompts, or one prompt as a flat list -> a list of one).
 
     ``vocab_limit`` (default: the model's vocab_size) restricts sampling to ids below it, e.g. a tokenizer's
-    vocab_size when the model's vocabulary is padded beyond it.
+    vocab_size when the model's vocabulary is padded beyond it. ``compile`` decodes a bf16 model's steps through
+    torch.compile (model/kernels/compiled_step.py): faster per token on a CPU, after a compile of seconds.
     """
     prompts = _as_batch(prompt_ids, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in stream(model, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       eos_id=eos_id, seed=seed, use_cache=use_cache, vocab_limit=vocab_limit):
+                       eos_id=eos_id, seed=seed, use_cache=use_cache, vocab_limit=vocab_limit, compile=compile):
         for row, token in zip(outputs, step):
             if token is not None:
                 row.append(token)
@@ -142,8 +144,8 @@ def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence
 
 def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int, *,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None, eos_id: int | None = None,
-           seed: int | None = None, use_cache: bool = True,
-           vocab_limit: int | None = None) -> Iterator[list[int | None]]:
+           seed: int | None = None, use_cache: bool = True, vocab_limit: int | None = None,
+           compile: bool = False) -> Iterator[list[int | None]]:
     """Yield, per decoding step, one new token id per prompt (None for a row that has already stopped).
 
     Arguments are checked here, before the first step, so bad input fails at the call, not at iteration.
@@ -155,13 +157,15 @@ def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[i
     if seed is not None:
         generator = torch.Generator(decoder.tokens.device).manual_seed(seed)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, vocab_limit=vocab_limit)
-    return _decode(decoder, max_new_tokens, eos_id, sampling)
+    return _decode(decoder, max_new_tokens, eos_id, sampling, compile)
 
 
-def _decode(decoder: _Decoder, max_new_tokens: int, eos_id: int | None, sampling: dict) -> Iterator[list[int | None]]:
+def _decode(decoder: _Decoder, max_new_tokens: int, eos_id: int | None, sampling: dict,
+            compile: bool) -> Iterator[list[int | None]]:
     rows = decoder.tokens.shape[0]
     finished = [False] * rows
-    with kernels.decoding(decoder.model, rows) as forward:  # until the last step, or until the caller drops it
+    # until the last step, or until the caller drops it
+    with kernels.decoding(decoder.model, rows, compile=compile) as forward:
         for column in range(decoder.prompt_width, decoder.prompt_width + max_new_tokens):
             step: list[int | None] = decoder.next_tokens(column, sampling, forward).tolist()
             for row, token in enumerate(step):

@@ -13,6 +13,7 @@ readable path (values and gradients) in tests/test_kernels.py:
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, a few rows (by timing)   |
 | tuned_linear      | `Linear.matmul`, within `decoding`               | CPU: times the strategies, keeps the best |
 | decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
+| compiled_step     | decode_step's one-token steps, opt-in           | CPU, bf16 (inductor fuses the small ops)  |
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
 the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.attention import MultiHeadSelfAttention, RotaryPositionalEmbedding, causal_attention, rotate_pairs
-from scratchlm.model.kernels import decode_step
+from scratchlm.model.kernels import compiled_step, decode_step
 from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
@@ -77,14 +78,15 @@ Step = Callable[..., torch.Tensor]  # (ids (B, T), kv_cache, attention_mask=None
 
 
 @contextmanager
-def decoding(model: nn.Module, rows: int) -> Iterator[Step]:
+def decoding(model: nn.Module, rows: int, compile: bool = False) -> Iterator[Step]:
     """What generate() and the server decode `rows` sequences under; yields the step to call instead of
     `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model
     has its shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still
     on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows by
     the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
-    oneDNN-packed weights, in float32 or their own dtype). Every module gets its previous implementation back on
-    exit."""
+    oneDNN-packed weights, in float32 or their own dtype). With `compile`, a bf16 model's one-token steps run
+    compiled (compiled_step.py; other models and the other calls decode as without). Every module gets its
+    previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     chosen = choices(_device_of(model))
@@ -96,12 +98,24 @@ def decoding(model: nn.Module, rows: int) -> Iterator[Step]:
         step = fused = decode_step.DecodeStep(model)
         _install(fused.linears, chosen, only_readable=True)
         tuned, one_pass = fused.linears, fused.timing_pass(rows)
+        if compile and compiled_step.supports(model):
+            step = _with_compiled(compiled_step.compiled_for(model), fused)
     try:
         with tuned_weights(tuned, rows, one_pass=one_pass):
             yield step
     finally:
         for module, attribute, implementation in saved:
             setattr(module, attribute, implementation)
+
+
+def _with_compiled(compiled: compiled_step.CompiledStep, eager: Step) -> Step:
+    """The compiled step for the calls it computes, `eager` for the others."""
+    def step(ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if compiled.applies(ids, kv_cache, attention_mask):
+            return compiled(ids, kv_cache)
+        return eager(ids, kv_cache, attention_mask)
+
+    return step
 
 
 def forward_step(model: nn.Module) -> Step:

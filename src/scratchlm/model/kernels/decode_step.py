@@ -189,15 +189,25 @@ class DecodeStep:
     @staticmethod
     def _ffn(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x (B, d_model) -> the FFN's hidden activations (B, d_ff), before the down projection."""
-        up = layer.up(x)
-        if layer.ffn_kind is SwiGLU:
-            gate, up = up.chunk(2, dim=-1)
-            return gate * torch.sigmoid(gate) * up
-        if layer.ffn_kind is SiLUFFN:
-            return up * torch.sigmoid(up)
-        if layer.ffn_kind is ReLU2FFN:
-            return up.clamp_min(0).square()
-        raise TypeError(f"DecodeStep has no FFN of kind {layer.ffn_kind.__name__}")
+        return ffn_hidden(layer.ffn_kind, layer.up(x))
+
+
+def up_projections(ffn: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The weights the FFN multiplies its input by, in the order `ffn_hidden` reads their outputs: (W1, W3) for
+    SwiGLU (gate, up), (W1,) otherwise."""
+    return (ffn.w1.weight, ffn.w3.weight) if isinstance(ffn, SwiGLU) else (ffn.w1.weight,)
+
+
+def ffn_hidden(kind: type, up: torch.Tensor) -> torch.Tensor:
+    """The hidden activations (B, d_ff) of an FFN of `kind` from its up projections' outputs side by side."""
+    if kind is SwiGLU:
+        gate, up = up.chunk(2, dim=-1)
+        return gate * torch.sigmoid(gate) * up
+    if kind is SiLUFFN:
+        return up * torch.sigmoid(up)
+    if kind is ReLU2FFN:
+        return up.clamp_min(0).square()
+    raise TypeError(f"DecodeStep has no FFN of kind {kind.__name__}")
 
 
 def _fused_norm(norm: RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:

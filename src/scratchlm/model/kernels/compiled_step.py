@@ -1,0 +1,169 @@
+"""A decoding step compiled by torch.compile (inductor) for bf16 models on CPU: `generate(..., compile=True)`,
+`scratchlm generate --compile`.
+
+Wins on: CPUs, for bf16 models. The eager bf16 step (decode_step.py) spends about half its time outside the
+products, in ~50 small ops a layer (norms, RoPE, casts, softmax), each a dispatch and, in bf16, a conversion;
+inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as tuned_linear.py does.
+Measured with benchmarks/bench_generate.py and bench_compile_decode.py (tinystories-17m, 2-core AMD EPYC with
+AVX512-BF16): the bf16 step 1.2-1.7x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
+slower: inductor's float32 products are slower than the ones tuned_linear.py times), so only bf16 models on a CPU
+are compiled. The price is the compile: 3-6 s with inductor's on-disk cache warm, ~20 s cold, once per model and
+batch size and span in a process (kept for the model's life while its weights are unchanged). So it pays for long
+generations and long-lived decoders, and it is opt-in.
+
+What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm RMSNorm TransformerLM, one
+new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
+keys are masked). Its shapes change only at a few lengths, so it compiles a few times (`attended_span`): it
+attends over a power-of-two span of the cache with the columns not yet written masked, and takes the position as
+a tensor. The math is
+decode_step.py's (fused q/k/v and W1/W3 products, the readable RMSNorm and RoPE in at least float32, attention in
+float32 with a KV head's query heads together) in straight lines for inductor to trace. Anything else (a prefill,
+an attention mask, autograd, weights changed since the compile) takes the eager step. Tested against the model's
+forward in tests/test_compiled_step.py.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+from scratchlm.model.attention import rotate_pairs
+from scratchlm.model.kernels import decode_step
+from scratchlm.model.kv_cache import KVCache
+from scratchlm.model.transformer import TransformerLM
+
+COMPILED_DTYPES = (torch.bfloat16,)  # where compiling was measured to win (see above)
+MIN_SPAN = 64  # the fewest cache columns a step attends over (see attended_span)
+_compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.WeakKeyDictionary()
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `compiled_for(model)` decodes it: decode_step.py's models, in bf16, on a CPU."""
+    if not decode_step.supports(model):
+        return False
+    weight = model.lm_head.weight
+    return weight.dtype in COMPILED_DTYPES and weight.device.type == "cpu"
+
+
+def compiled_for(model: TransformerLM) -> CompiledStep:
+    """The model's compiled step, compiled at its first call and kept for the model's life; a new one once the
+    weights changed (the compiled graph holds them as constants)."""
+    step = _compiled.get(model)
+    if step is None or not step.current():
+        step = _compiled[model] = CompiledStep(model)
+    return step
+
+
+class CompiledStep:
+    """`applies(ids, cache, mask)` says whether `step(ids, cache)` computes this call; the caller decodes the rest
+    eagerly."""
+
+    def __init__(self, model: TransformerLM):
+        self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
+        self.static = torch.compile(_StaticStep(model), fullgraph=True, dynamic=False)
+        self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
+
+    def current(self) -> bool:
+        return all(parameter._version == version for parameter, version in self.sources)
+
+    def applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
+        return (cache is not None and attention_mask is None and ids.dim() == 2 and ids.shape[1] == 1
+                and cache.length < cache.max_seq_len and not torch.is_grad_enabled() and self.current())
+
+    def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
+        cache.check_room(1, ids.shape[0])
+        cache.check_model(self.model())
+        column = torch.tensor([cache.length], device=ids.device)
+        span = attended_span(cache.length, cache.max_seq_len)
+        keys, values = [k[:, :, :span] for k in cache.keys], [v[:, :, :span] for v in cache.values]
+        padding = cache.key_padding[:, :span]
+        # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
+        # than the eager one). It is read when a graph compiles, and dynamo compiles again for a new batch size, so
+        # every call sets it (torch.compile's `options` did not reach it here).
+        with inductor_config.patch(freezing=True):
+            logits = self.static(ids[:, 0], cache.next_position, column, padding, keys, values)
+        cache.next_position += 1
+        cache.length += 1
+        return logits[:, None]
+
+
+def attended_span(length: int, max_seq_len: int) -> int:
+    """The cache columns a step at `length` attends over: the next power of two that holds the new column (at
+    least MIN_SPAN, at most the cache). A span is a shape, so each is a graph of its own (a compile the first time
+    a decode reaches it): a few per context (64, 128, 256 for 256 positions) rather than one per position, and early
+    steps read a short cache rather than all of it (batch 8 of tinystories-17m at 100 positions: 2.9 against
+    3.3 ms a step attending over the whole 256)."""
+    return min(max_seq_len, max(MIN_SPAN, 1 << length.bit_length()))
+
+
+def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
+    """The tensors concatenated along their first dimension, as a parameter without gradient."""
+    return nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
+
+
+class _StaticStep(nn.Module):
+    """(ids (B,), positions (B,), column (1,), key_padding (B, S), keys, values) -> logits (B, V), writing each
+    layer's new key and value at `column` of its (B, H_kv, S, d_k) buffers."""
+
+    def __init__(self, model: TransformerLM):
+        super().__init__()
+        blocks = model.layers
+        attention = blocks[0].attn
+        self.heads, self.kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        self.embedding, self.head = model.token_embeddings.weight, model.lm_head.weight
+        self.norms = nn.ModuleList(norm for block in blocks for norm in (block.ln1, block.ln2))  # the readable ones
+        self.final_norm = model.ln_final
+        self.q_norms = nn.ModuleList(block.attn.q_norm for block in blocks if block.attn.q_norm is not None)
+        self.k_norms = nn.ModuleList(block.attn.k_norm for block in blocks if block.attn.k_norm is not None)
+        self.qkv = nn.ParameterList(_frozen(b.attn.q_proj.weight, b.attn.k_proj.weight, b.attn.v_proj.weight)
+                                    for b in blocks)
+        self.qkv_bias = nn.ParameterList(_frozen(b.attn.q_proj.bias, b.attn.k_proj.bias, b.attn.v_proj.bias)
+                                         for b in blocks if b.attn.q_proj.bias is not None)
+        self.out = nn.ParameterList(block.attn.output_proj.weight for block in blocks)
+        self.ffn_kind = type(blocks[0].ffn)
+        self.up = nn.ParameterList(_frozen(*decode_step.up_projections(block.ffn)) for block in blocks)
+        self.down = nn.ParameterList(block.ffn.w2.weight for block in blocks)
+        rope = attention.rope
+        self.rope_tables = rope is not None
+        if rope is not None:  # in at least float32, as the readable RoPE rotates (bf16 tables in a bf16 model)
+            real = torch.promote_types(rope.cos.dtype, torch.float32)
+            self.register_buffer("cos", rope.cos.to(real), persistent=False)
+            self.register_buffer("sin", rope.sin.to(real), persistent=False)
+        self.softcap = model.config.logit_softcap
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, key_padding: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        rows, heads, kv_heads, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        # The keys a row attends: its real ones up to and including the new one (later columns are unwritten).
+        attended = key_padding & (torch.arange(key_padding.shape[1], device=ids.device) <= column)  # (B, S)
+        hidden = ~attended[:, None, None, :]  # (B, 1, 1, S): over KV heads and their query heads
+        x = self.embedding[ids]  # (B, d_model)
+        for index in range(len(self.qkv)):
+            qkv = self.norms[2 * index](x) @ self.qkv[index].t()  # (B, (H + 2·H_kv)·d_k)
+            if self.qkv_bias:
+                qkv = qkv + self.qkv_bias[index]
+            q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+            q, k, v = q.view(rows, heads, d), k.view(rows, kv_heads, d), v.view(rows, kv_heads, d)
+            if self.q_norms:
+                q, k = self.q_norms[index](q), self.k_norms[index](k)
+            if self.rope_tables:
+                cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, d_k/2): over heads
+                q = rotate_pairs(q.to(cos.dtype), cos, sin).to(x.dtype)
+                k = rotate_pairs(k.to(cos.dtype), cos, sin).to(x.dtype)
+            keys[index].index_copy_(2, column, k[:, :, None])
+            values[index].index_copy_(2, column, v[:, :, None])
+            real = torch.promote_types(x.dtype, torch.float32)
+            grouped = q.to(real).view(rows, kv_heads, heads // kv_heads, d)  # a KV head's query heads together
+            scores = grouped @ keys[index].to(real).transpose(-2, -1) / math.sqrt(d)  # (B, H_kv, group, S)
+            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+            out = (weights @ values[index].to(real)).to(x.dtype).view(rows, heads * d)
+            x = x + out @ self.out[index].t()
+            up = self.norms[2 * index + 1](x) @ self.up[index].t()
+            x = x + decode_step.ffn_hidden(self.ffn_kind, up) @ self.down[index].t()
+        logits = self.final_norm(x) @ self.head.t()
+        return self.softcap * torch.tanh(logits / self.softcap) if self.softcap else logits
