@@ -6,8 +6,8 @@ The contender is model/kernels/compiled_step.py's `CompiledStep` (what `generate
 generate --compile` use for bf16 models), compiled here for float32 too, to show why it is not used there. Ours is
 `kernels.decoding`'s eager step. Both decode the same 100 steps at positions 22-121 of a KV cache of
 tinystories-17m (random weights), fp32 and bf16, batch 1 and 8; reported: median ms a step, the ratio, and the
-time of the compiled step's first pass over the steps (its compiles, which every new process pays again unless
-inductor's on-disk cache holds the graphs: a graph per span of attended cache columns, 64 and 128 here).
+time of the compiled step's first pass over the steps (its compile, which every new process pays again, longer
+when inductor's on-disk cache is cold).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def measure(dtype: torch.dtype, rows: int, steps: int) -> tuple[float, float, fl
         compiled = CompiledStep(model)
         cache = prompted()
         start = time.perf_counter()
-        median_ms(lambda position: compiled(ids[:, None], cache), steps)  # compiles each span it reaches
+        median_ms(lambda position: compiled(ids[:, None], cache), steps)  # compiles at its first step
         first_pass_s = time.perf_counter() - start
         cache = prompted()
         compiled_ms = median_ms(lambda position: compiled(ids[:, None], cache), steps)

@@ -5,19 +5,18 @@ Wins on: CPUs, for bf16 models. The eager bf16 step (decode_step.py) spends abou
 products, in ~50 small ops a layer (norms, RoPE, casts, softmax), each a dispatch and, in bf16, a conversion;
 inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as tuned_linear.py does.
 Measured with benchmarks/bench_generate.py and bench_compile_decode.py (tinystories-17m, 2-core AMD EPYC with
-AVX512-BF16): the bf16 step 1.2-1.7x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
+AVX512-BF16): the bf16 step ~1.4x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
 slower: inductor's float32 products are slower than the ones tuned_linear.py times), so only bf16 models on a CPU
-are compiled. The price is the compile: 3-6 s with inductor's on-disk cache warm, ~20 s cold, once per model and
-batch size and span in a process (kept for the model's life while its weights are unchanged). So it pays for long
+are compiled. The price is the compile: ~8-10 s, once per model and batch size in a process (kept for the model's
+life while its weights are unchanged), ~20 s more with inductor's on-disk cache cold. So it pays for long
 generations and long-lived decoders, and it is opt-in.
 
 What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm RMSNorm TransformerLM, one
 new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
-keys are masked). Its shapes change only at a few lengths, so it compiles a few times (`attended_span`): it
-attends over a power-of-two span of the cache with the columns not yet written masked, and takes the position as
-a tensor. The math is
-decode_step.py's (fused q/k/v and W1/W3 products, the readable RMSNorm and RoPE in at least float32, attention in
-float32 with a KV head's query heads together) in straight lines for inductor to trace. Anything else (a prefill,
+keys are masked). The cache's length is a dynamic dimension of the graph and the position a tensor, so a growing
+cache does not compile again. The math is decode_step.py's (fused q/k/v and W1/W3 products, the readable RMSNorm
+and RoPE in at least float32, attention in float32 with a KV head's query heads together) in straight lines for
+inductor to trace. Anything else (a prefill,
 an attention mask, autograd, weights changed since the compile) takes the eager step. Tested against the model's
 forward in tests/test_compiled_step.py.
 """
@@ -37,7 +36,6 @@ from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.transformer import TransformerLM
 
 COMPILED_DTYPES = (torch.bfloat16,)  # where compiling was measured to win (see above)
-MIN_SPAN = 64  # the fewest cache columns a step attends over (see attended_span)
 _compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.WeakKeyDictionary()
 
 
@@ -64,7 +62,7 @@ class CompiledStep:
 
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
-        self.static = torch.compile(_StaticStep(model), fullgraph=True, dynamic=False)
+        self.static = torch.compile(_StaticStep(model), fullgraph=True)
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
 
     def current(self) -> bool:
@@ -79,26 +77,22 @@ class CompiledStep:
         cache.check_room(1, ids.shape[0])
         cache.check_model(self.model())
         column = torch.tensor([cache.length], device=ids.device)
-        span = attended_span(cache.length, cache.max_seq_len)
-        keys, values = [k[:, :, :span] for k in cache.keys], [v[:, :, :span] for v in cache.values]
-        padding = cache.key_padding[:, :span]
+        # The columns written so far and the new one: a length that changes every step, marked dynamic so that it
+        # is a symbol in the graph, not a new compile each step.
+        end = cache.length + 1
+        keys, values = [k[:, :, :end] for k in cache.keys], [v[:, :, :end] for v in cache.values]
+        key_padding = cache.key_padding[:, :end]
+        for tensor in (*keys, *values):
+            torch._dynamo.mark_dynamic(tensor, 2)
+        torch._dynamo.mark_dynamic(key_padding, 1)
         # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
         # than the eager one). It is read when a graph compiles, and dynamo compiles again for a new batch size, so
         # every call sets it (torch.compile's `options` did not reach it here).
         with inductor_config.patch(freezing=True):
-            logits = self.static(ids[:, 0], cache.next_position, column, padding, keys, values)
+            logits = self.static(ids[:, 0], cache.next_position, column, key_padding, keys, values)
         cache.next_position += 1
         cache.length += 1
         return logits[:, None]
-
-
-def attended_span(length: int, max_seq_len: int) -> int:
-    """The cache columns a step at `length` attends over: the next power of two that holds the new column (at
-    least MIN_SPAN, at most the cache). A span is a shape, so each is a graph of its own (a compile the first time
-    a decode reaches it): a few per context (64, 128, 256 for 256 positions) rather than one per position, and early
-    steps read a short cache rather than all of it (batch 8 of tinystories-17m at 100 positions: 2.9 against
-    3.3 ms a step attending over the whole 256)."""
-    return min(max_seq_len, max(MIN_SPAN, 1 << length.bit_length()))
 
 
 def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
@@ -107,8 +101,8 @@ def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
 
 
 class _StaticStep(nn.Module):
-    """(ids (B,), positions (B,), column (1,), key_padding (B, S), keys, values) -> logits (B, V), writing each
-    layer's new key and value at `column` of its (B, H_kv, S, d_k) buffers."""
+    """(ids (B,), positions (B,), column (1,), key_padding (B, T), keys, values) -> logits (B, V), writing each
+    layer's new key and value at `column` = T - 1 of its (B, H_kv, T, d_k) cache views."""
 
     def __init__(self, model: TransformerLM):
         super().__init__()
@@ -139,9 +133,7 @@ class _StaticStep(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, key_padding: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         rows, heads, kv_heads, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        # The keys a row attends: its real ones up to and including the new one (later columns are unwritten).
-        attended = key_padding & (torch.arange(key_padding.shape[1], device=ids.device) <= column)  # (B, S)
-        hidden = ~attended[:, None, None, :]  # (B, 1, 1, S): over KV heads and their query heads
+        hidden = ~key_padding[:, None, None, :]  # (B, 1, 1, T): a row's padding, over KV heads and query heads
         x = self.embedding[ids]  # (B, d_model)
         for index in range(len(self.qkv)):
             qkv = self.norms[2 * index](x) @ self.qkv[index].t()  # (B, (H + 2·H_kv)·d_k)
@@ -159,7 +151,7 @@ class _StaticStep(nn.Module):
             values[index].index_copy_(2, column, v[:, :, None])
             real = torch.promote_types(x.dtype, torch.float32)
             grouped = q.to(real).view(rows, kv_heads, heads // kv_heads, d)  # a KV head's query heads together
-            scores = grouped @ keys[index].to(real).transpose(-2, -1) / math.sqrt(d)  # (B, H_kv, group, S)
+            scores = grouped @ keys[index].to(real).transpose(-2, -1) / math.sqrt(d)  # (B, H_kv, group, T)
             weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
             out = (weights @ values[index].to(real)).to(x.dtype).view(rows, heads * d)
             x = x + out @ self.out[index].t()
