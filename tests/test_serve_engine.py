@@ -4,6 +4,7 @@ row operations keep each row's keys, padding and positions; stop strings and UTF
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -263,3 +264,22 @@ def test_text_stream_cuts_at_the_first_stop_string_and_never_shows_part_of_one(t
 def test_text_stream_holds_back_partial_utf8_and_flushes_a_dangling_byte():
     pieces, _ = _stream(list("é".encode()) + [0xF0], ())
     assert pieces == ["", "é", "", "\ufffd"]
+
+
+def test_a_compiling_engine_gives_a_sequence_alone_what_generate_compile_gives_it(model):
+    """`scratchlm serve --compile` (a bf16 model): a sequence alone gets generate(..., compile=True)'s tokens, seed for
+    seed; beside another (the batch graph: two rows and up), both run to their ends."""
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    prompt, other = _prompts([7, 12], seed=3)
+    expected = generate(bf16, prompt, 30, temperature=1.0, eos_id=EOS, seed=5, compile=True)[0]
+    engine = Engine(bf16, byte_tokenizer(), eos_id=EOS, max_batch=4, compile=True).start()
+    try:
+        alone = _submit(engine, prompt, Sampling(30, 1.0, seed=5))
+        assert alone.done.wait(120)
+        pair = [_submit(engine, p, Sampling(25, 1.0, seed=6)) for p in (prompt, other)]
+        for collector in pair:
+            assert collector.done.wait(120)
+    finally:
+        engine.close()
+    assert alone.tokens == expected
+    assert all(c.end.reason in ("length", "stop") and c.end.completion_tokens == len(c.tokens) for c in pair)

@@ -66,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's copy)")
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode a bf16 model's steps through torch.compile: ~1.4x the tokens/s on a CPU after "
+                             "~20 s of compiling at start-up (other dtypes decode as without)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
@@ -118,7 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model, config = off_the_main_thread(load)
     tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
-    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue)
+    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue,
+                    compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
     app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)
     print(f"scratchlm serve: {model_name} ({model.num_parameters():,} parameters, context "

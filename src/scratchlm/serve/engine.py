@@ -35,6 +35,7 @@ import torch
 
 from scratchlm.generate.sampling import draw, probabilities
 from scratchlm.model import KVCache, TransformerLM, kernels
+from scratchlm.model.kernels import compiled_step
 from scratchlm.serve import batch_cache
 from scratchlm.serve.text import TextStream
 from scratchlm.tokenizer import Tokenizer
@@ -117,11 +118,12 @@ class _Row:
 
 class Engine:
     def __init__(self, model: TransformerLM, tokenizer: Tokenizer, *, eos_id: int | None, max_batch: int = 16,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, compile: bool = False) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.compile = compile  # decode a bf16 model's steps through torch.compile (model/kernels/compiled_step.py)
         self.vocab_limit = tokenizer.vocab_size  # a padded model vocabulary has ids without text
         self.device = model.lm_head.weight.device
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -192,8 +194,13 @@ class Engine:
     def _run(self) -> None:
         # The decoding matmuls are chosen once for the server's life, timed at max_batch rows (tuned_linear.py):
         # the batch size a loaded server runs at, where the choice matters most.
-        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch) as forward:
+        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch, compile=self.compile) as forward:
             self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
+            if self.compile and compiled_step.supports(self.model):
+                try:
+                    self._compile_steps()
+                except Exception:  # e.g. no C++ compiler: each step then fails its requests with the reason
+                    log.exception("compiling the decoding step failed")
             while True:
                 with self._wakeup:
                     while not (self._stopping or self._waiting or self._rows):
@@ -206,6 +213,15 @@ class Engine:
                     log.exception("decoding step failed")
                     self._fail_all(f"decoding failed: {type(error).__name__}: {error}")
             self._fail_all("the server is shutting down", kind="shutdown")
+
+    def _compile_steps(self) -> None:
+        """Compile the decoding step before the first request rather than during it: its two graphs, one row and
+        any other count (compiled_step.py), each by a step on a scratch cache. Requests wait in the queue."""
+        log.info("compiling the decoding step (torch.compile, about 20 s)")
+        for rows in (1, 2):
+            cache = KVCache.for_model(self.model, rows, 2)
+            self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a prefill
+            self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a compiled step
 
     def _step(self) -> None:
         self._admit()

@@ -7,8 +7,9 @@ inductor fuses them into a few loops and, with `freezing`, packs the weights for
 Measured with benchmarks/bench_generate.py and bench_compile_decode.py (tinystories-17m, 2-core AMD EPYC with
 AVX512-BF16): the bf16 step ~1.4x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
 slower: inductor's float32 products are slower than the ones tuned_linear.py times), so only bf16 models on a CPU
-are compiled. The price is the compile: ~8-10 s, once per model and batch size in a process (kept for the model's
-life while its weights are unchanged), ~20 s more with inductor's on-disk cache cold. So it pays for long
+are compiled. The price is the compile: ~8-10 s for batch 1 and as much for every other batch size together (the
+batch is a dynamic dimension from 2 rows up), once per model in a process (kept for the model's life while its
+weights are unchanged), ~20 s more with inductor's on-disk cache cold. So it pays for long
 generations and long-lived decoders, and it is opt-in.
 
 What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm RMSNorm TransformerLM, one
@@ -69,8 +70,9 @@ class CompiledStep:
         return all(parameter._version == version for parameter, version in self.sources)
 
     def applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
+        # A step on an empty cache (a one-token prompt) stays eager: a dimension of size 1 cannot be dynamic.
         return (cache is not None and attention_mask is None and ids.dim() == 2 and ids.shape[1] == 1
-                and cache.length < cache.max_seq_len and not torch.is_grad_enabled() and self.current())
+                and 0 < cache.length < cache.max_seq_len and not torch.is_grad_enabled() and self.current())
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
@@ -85,11 +87,15 @@ class CompiledStep:
         for tensor in (*keys, *values):
             torch._dynamo.mark_dynamic(tensor, 2)
         torch._dynamo.mark_dynamic(key_padding, 1)
+        rows = ids[:, 0]
+        if rows.shape[0] > 1:  # the batch too (a server's changes size), in a graph of its own beside batch 1
+            for tensor in (rows, cache.next_position, key_padding, *keys, *values):
+                torch._dynamo.mark_dynamic(tensor, 0)
         # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
         # than the eager one). It is read when a graph compiles, and dynamo compiles again for a new batch size, so
         # every call sets it (torch.compile's `options` did not reach it here).
         with inductor_config.patch(freezing=True):
-            logits = self.static(ids[:, 0], cache.next_position, column, key_padding, keys, values)
+            logits = self.static(rows, cache.next_position, column, key_padding, keys, values)
         cache.next_position += 1
         cache.length += 1
         return logits[:, None]
