@@ -91,3 +91,26 @@ def test_generate_with_compile_samples_from_the_same_distribution():
     # bf16 rounds the fused sums differently, so a near tie may part the greedy paths: most tokens agree.
     agree = sum(a == b for row_a, row_b in zip(eager, compiled) for a, b in zip(row_a, row_b))
     assert agree >= 12, (eager, compiled)
+
+
+def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
+    model = _model(torch.bfloat16)
+    compiled = compiled_step.compiled_for(model)
+    calls = []
+
+    def fails(self, ids, cache):
+        calls.append(1)
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "__call__", fails)
+    cache, ids = _prefilled(model, [4, 4])
+    eager_cache = copy.deepcopy(cache)
+    with torch.inference_mode():
+        with kernels.decoding(model, 2, compile=True) as step:
+            got = [step(ids[:, t:t + 1], cache) for t in range(3)]
+        with kernels.decoding(model, 2) as step:
+            want = [step(ids[:, t:t + 1], eager_cache) for t in range(3)]
+    assert calls == [1] and compiled.failed
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "scratchlm.compile"]
+    assert warnings == ["torch.compile of the decoding step failed, decoding eagerly: no C++ compiler found"]

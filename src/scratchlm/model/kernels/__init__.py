@@ -112,7 +112,10 @@ def _with_compiled(compiled: compiled_step.CompiledStep, eager: Step) -> Step:
     """The compiled step for the calls it computes, `eager` for the others."""
     def step(ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if compiled.applies(ids, kv_cache, attention_mask):
-            return compiled(ids, kv_cache)
+            try:
+                return compiled(ids, kv_cache)
+            except torch._dynamo.exc.TorchDynamoException as error:  # it failed before running: nothing written
+                compiled.give_up(error)
         return eager(ids, kv_cache, attention_mask)
 
     return step

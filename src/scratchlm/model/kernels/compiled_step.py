@@ -24,10 +24,12 @@ forward in tests/test_compiled_step.py.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
@@ -37,6 +39,10 @@ from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.transformer import TransformerLM
 
 COMPILED_DTYPES = (torch.bfloat16,)  # where compiling was measured to win (see above)
+# Graphs of this step's code in one process: each model (and each new set of its weights) adds two (batch 1 and
+# the dynamic batch). Dynamo's default of 8 for a code object would refuse the fifth model's.
+RECOMPILE_LIMIT = 64
+log = logging.getLogger("scratchlm.compile")
 _compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.WeakKeyDictionary()
 
 
@@ -65,6 +71,13 @@ class CompiledStep:
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
         self.static = torch.compile(_StaticStep(model), fullgraph=True)
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
+        self.failed = False  # set by `give_up`: the calls go to the eager step from then on
+
+    def give_up(self, error: Exception) -> None:
+        """After torch.compile failed (no C++ compiler, a dynamo limit): say so once; `applies` is False from now."""
+        self.failed = True
+        log.warning("torch.compile of the decoding step failed, decoding eagerly: %s",
+                    str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
 
     def current(self) -> bool:
         return all(parameter._version == version for parameter, version in self.sources)
@@ -72,7 +85,8 @@ class CompiledStep:
     def applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
         # A step on an empty cache (a one-token prompt) stays eager: a dimension of size 1 cannot be dynamic.
         return (cache is not None and attention_mask is None and ids.dim() == 2 and ids.shape[1] == 1
-                and 0 < cache.length < cache.max_seq_len and not torch.is_grad_enabled() and self.current())
+                and 0 < cache.length < cache.max_seq_len and not torch.is_grad_enabled() and not self.failed
+                and self.current())
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
@@ -94,7 +108,7 @@ class CompiledStep:
         # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
         # than the eager one). It is read when a graph compiles, and dynamo compiles again for a new batch size, so
         # every call sets it (torch.compile's `options` did not reach it here).
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
             logits = self.static(rows, cache.next_position, column, key_padding, keys, values)
         cache.next_position += 1
         cache.length += 1
