@@ -219,7 +219,8 @@ class Engine:
         any other count (compiled_step.py), each by a step on a scratch cache. Requests wait in the queue."""
         log.info("compiling the decoding step (torch.compile, about 20 s)")
         for rows in (1, 2):
-            cache = KVCache.for_model(self.model, rows, 2)
+            with torch.inference_mode(False):  # a cache as the batch's: shape, strides and kind are in the guards
+                cache = KVCache.for_model(self.model, rows, zeroed=False)
             self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a prefill
             self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a compiled step
 
