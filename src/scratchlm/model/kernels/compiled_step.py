@@ -106,7 +106,7 @@ class CompiledStep:
             for tensor in (rows, cache.next_position, key_padding, *keys, *values):
                 torch._dynamo.mark_dynamic(tensor, 0)
         # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
-        # than the eager one). It is read when a graph compiles, and dynamo compiles again for a new batch size, so
+        # than the eager one). It is read whenever a graph compiles (the first call of one row, and of more), so
         # every call sets it (torch.compile's `options` did not reach it here).
         with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
             logits = self.static(rows, cache.next_position, column, key_padding, keys, values)
