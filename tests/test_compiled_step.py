@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from scratchlm.generate.commands import say_if_not_compiled
 from scratchlm.generate.sampling import generate
 from scratchlm.model import KVCache, kernels
 from scratchlm.model.kernels import compiled_step
@@ -114,3 +115,12 @@ def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     warnings = [r.getMessage() for r in caplog.records if r.name == "scratchlm.compile"]
     assert warnings == ["torch.compile of the decoding step failed, decoding eagerly: no C++ compiler found"]
+
+
+def test_the_commands_say_in_one_line_why_compile_is_ignored(capsys):
+    say_if_not_compiled(True, _model(torch.float32), "scratchlm generate")
+    assert capsys.readouterr().err == ("scratchlm generate: --compile ignored: the weights are float32: compiling "
+                                       "wins only for bf16 (--dtype bf16)\n")
+    say_if_not_compiled(True, _model(torch.bfloat16), "scratchlm serve")  # compiles: nothing to say
+    say_if_not_compiled(False, _model(torch.float32), "scratchlm serve")  # not asked
+    assert capsys.readouterr().err == ""

@@ -74,6 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}: "
                         f"is --tokenizer the one this model was trained with?")
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    say_if_not_compiled(args.compile, model, "scratchlm generate")
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt else ([eos_id] if eos_id is not None else [])
     if not prompt_ids:
         raise UserError("empty --prompt and the tokenizer has no <|endoftext|> to start a document with")
@@ -102,3 +103,11 @@ def write_stream(prompt: str, token_ids, tokenizer, out) -> None:
     out.write(decoder.decode(b"", final=True) + "\n")
     out.flush()
 
+
+def say_if_not_compiled(asked: bool, model, command: str) -> None:
+    """One line on stderr when --compile was given but the model decodes eagerly, and why."""
+    from scratchlm.model.kernels.compiled_step import not_compiled_because
+
+    reason = not_compiled_because(model) if asked else None
+    if reason is not None:
+        print(f"{command}: --compile ignored: {reason}", file=sys.stderr)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from scratchlm.config import TORCH_DTYPE_NAMES
-from scratchlm.generate.commands import DTYPES, EOS_TOKEN
+from scratchlm.generate.commands import DTYPES, EOS_TOKEN, say_if_not_compiled
 from scratchlm.serve.limits import Limits
 
 T = TypeVar("T")
@@ -121,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model, config = off_the_main_thread(load)
     tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    say_if_not_compiled(args.compile, model, "scratchlm serve")
     engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue,
                     compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name

@@ -48,10 +48,20 @@ _compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.Weak
 
 def supports(model: nn.Module) -> bool:
     """Whether `compiled_for(model)` decodes it: decode_step.py's models, in bf16, on a CPU."""
+    return not_compiled_because(model) is None
+
+
+def not_compiled_because(model: nn.Module) -> str | None:
+    """Why `compile=True` decodes this model eagerly (None: it compiles), for the commands to say so."""
     if not decode_step.supports(model):
-        return False
+        return "only a pre-norm RMSNorm TransformerLM has a compiled step"
     weight = model.lm_head.weight
-    return weight.dtype in COMPILED_DTYPES and weight.device.type == "cpu"
+    if weight.dtype not in COMPILED_DTYPES:
+        name = str(weight.dtype).removeprefix("torch.")
+        return f"the weights are {name}: compiling wins only for bf16 (--dtype bf16)"
+    if weight.device.type != "cpu":
+        return f"it is on {weight.device.type}: compiling was measured to win only on a CPU"
+    return None
 
 
 def compiled_for(model: TransformerLM) -> CompiledStep:
