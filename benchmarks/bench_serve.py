@@ -219,6 +219,8 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
 
     rss.reset()
     start_rss = rss.now()
+    cpu = {"server": rss.process, "client": psutil.Process()}  # the clients are this process's threads
+    cpu_before = {name: _cpu_seconds(process) for name, process in cpu.items()}
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for thread in threads:
@@ -226,6 +228,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
     for thread in threads:
         thread.join()
     seconds = time.perf_counter() - started
+    cpu_share = {name: (_cpu_seconds(process) - cpu_before[name]) / seconds for name, process in cpu.items()}
 
     def quantile(xs: list[float], q: int) -> float:
         if len(xs) < 2:
@@ -239,8 +242,14 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
             "p50_s": quantile(latencies, 50), "p95_s": quantile(latencies, 95),
             "ttft_p50_s": quantile(firsts, 50), "ttft_p95_s": quantile(firsts, 95),
             "full_share": (min(ran_out) - started) / seconds,
+            "server_cpu": cpu_share["server"], "client_cpu": cpu_share["client"],
             "errors": len(errors), "error_examples": errors[:3],
             "peak_rss_mb": rss.peak / 2**20, "rss_growth_mb": (rss.now() - start_rss) / 2**20}
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def measure(command: list[str], env: dict[str, str], port: int, log: Path, clients: list[int], requests: int,
@@ -265,11 +274,13 @@ def measure(command: list[str], env: dict[str, str], port: int, log: Path, clien
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
     print(f"{'server':>12} {'clients':>7} {'requests':>8} {'tokens/s':>9} {'tok/req':>7} {'p50 s':>7} {'p95 s':>7} "
-          f"{'ttft p50':>8} {'ttft p95':>8} {'full':>5} {'errors':>6} {'peak RSS MB':>11} {'RSS growth MB':>13}")
+          f"{'ttft p50':>8} {'ttft p95':>8} {'full':>5} {'srv CPU':>7} {'cli CPU':>7} {'errors':>6}"
+          f" {'peak RSS MB':>11} {'RSS growth MB':>13}")
     for name, r in rows:
         print(f"{name:>12} {r['clients']:>7} {r['requests']:>8} {r['tokens_per_s']:>9.1f} "
               f"{r['tokens_per_request']:>7.1f} {r['p50_s']:>7.3f} {r['p95_s']:>7.3f} {r['ttft_p50_s']:>8.3f} "
-              f"{r['ttft_p95_s']:>8.3f} {r['full_share']:>5.0%} {r['errors']:>6} {r['peak_rss_mb']:>11.1f} "
+              f"{r['ttft_p95_s']:>8.3f} {r['full_share']:>5.0%} {r['server_cpu']:>7.0%} {r['client_cpu']:>7.0%} "
+              f"{r['errors']:>6} {r['peak_rss_mb']:>11.1f} "
               f"{r['rss_growth_mb']:>13.1f}")
         for example in r["error_examples"]:
             print(f"        error: {example}")
