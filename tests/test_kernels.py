@@ -237,9 +237,10 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
             assert layer.matmul is outer  # the inner block leaves the outer block's copies
         assert layer.matmul is outer
     assert layer.matmul is linear and half.matmul is linear
-    assert sorted(timed) == sorted(tuned_linear.strategies())
+    # every strategy in every round, at 8 rows and at 1 row (the same winner: no ByRows)
+    assert sorted(timed) == sorted(list(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS * 2)
     with tuned_weights(model, rows=8) as chosen:  # remembered: not timed again
-        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies())
+        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies()) * 2 * 2
     monkeypatch.setattr(tuned_linear, "MAX_COPY_BYTES", layer.weight.nbytes)
     with tuned_weights(model, rows=8) as chosen:  # weights too large to copy
         assert chosen == "installed" and layer.matmul is linear
@@ -255,7 +256,37 @@ def test_float32_weights_are_not_timed_packed_twice(monkeypatch):
     monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: timed.append(model[0].matmul) or 1.0)
     with tuned_weights(model, rows=8):
         pass
-    assert len(timed) == len(tuned_linear.strategies()) - ("packed_native" in tuned_linear.strategies())
+    timed_strategies = len(tuned_linear.strategies()) - ("packed_native" in tuned_linear.strategies())
+    assert len(timed) == timed_strategies * tuned_linear.TIMING_ROUNDS * 2  # at 8 rows and at 1
+
+
+def test_one_row_and_several_each_get_their_fastest_strategy(monkeypatch):
+    """Where one row's winner is not the batch's, each layer multiplies through ByRows, and both products are
+    the readable one; a pass slowed once (load from elsewhere) does not decide, as every strategy is timed in
+    every round."""
+    layer = Linear(16, 24)
+    monkeypatch.setattr(tuned_linear, "_chosen", {})
+    speed = {1: {"installed": 1.0, "column_major": 2.0}, 8: {"installed": 2.0, "column_major": 1.0}}
+    disturbed = []
+
+    def timing_pass(rows):
+        def one_pass():
+            name = "column_major" if isinstance(layer.matmul, ColumnMajorLinear) else "installed"
+            if rows == 8 and name == "column_major" and not disturbed:
+                disturbed.append(name)  # its first round at 8 rows ran beside a busy process
+                return 100.0
+            return speed[rows].get(name, 3.0)
+        return one_pass
+
+    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: one_pass())
+    with tuned_weights(layer, rows=8, timing_pass=timing_pass) as chosen, torch.inference_mode():
+        assert chosen == "installed (1 row), column_major (8 rows)" and disturbed
+        assert isinstance(layer.matmul, tuned_linear.ByRows)
+        assert isinstance(layer.matmul.more_rows, ColumnMajorLinear) and layer.matmul.one_row is linear
+        for shape in ((1, 16), (1, 1, 16), (8, 16), (1, 5, 16)):  # one row; one row of a batch; 8; a prefill
+            x = torch.randn(shape)
+            assert torch.equal(layer(x), linear(x, layer.weight))
+    assert layer.matmul is linear
 
 
 def test_without_onednn_nothing_is_packed(monkeypatch):

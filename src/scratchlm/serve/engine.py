@@ -133,6 +133,7 @@ class Engine:
         self._prefill_cache = KVCache.for_model(model, 1, zeroed=False)  # reset for each joining sequence
         self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
         self._stopping = False
+        self._ready = threading.Event()  # set by the engine thread once it can decode (or has failed to)
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
         self.sampled = 0  # tokens sampled, over all sequences
         self._thread = threading.Thread(target=self._run, name="scratchlm-serve-engine", daemon=True)
@@ -140,7 +141,11 @@ class Engine:
     # ------------------------------------------------------------------ the caller's side (any thread)
 
     def start(self) -> Engine:
+        """Start the engine thread; returns once it is ready to decode: its matmuls chosen by timing them (and its
+        step compiled, with compile=True). The caller starts serving after that, as the HTTP side starting beside
+        the timing would slow some strategies' passes and the choice with them (tuned_linear.py)."""
         self._thread.start()
+        self._ready.wait()
         return self
 
     def submit(self, sequences: list[Sequence]) -> None:
@@ -192,31 +197,39 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        # The decoding matmuls are chosen once for the server's life, timed at max_batch rows (tuned_linear.py):
-        # the batch size a loaded server runs at, where the choice matters most.
-        with torch.inference_mode(), kernels.decoding(self.model, self.max_batch, compile=self.compile) as forward:
-            self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
-            if self.compile and compiled_step.supports(self.model):
-                try:
-                    self._compile_steps()
-                except Exception:  # e.g. no C++ compiler: each step then fails its requests with the reason
-                    log.exception("compiling the decoding step failed")
-            while True:
-                with self._wakeup:
-                    while not (self._stopping or self._waiting or self._rows):
-                        self._wakeup.wait(0.1)  # a timeout: request_stop (a signal handler) cannot notify
-                    if self._stopping:
-                        break
-                try:
-                    self._step()
-                except Exception as error:  # a bug or out of memory: the clients hear of it, the server goes on
-                    log.exception("decoding step failed")
-                    self._fail_all(f"decoding failed: {type(error).__name__}: {error}")
-            self._fail_all("the server is shutting down", kind="shutdown")
+        # The decoding matmuls are chosen once for the server's life, timed at max_batch rows, the batch size a
+        # loaded server runs at, and at one row, a lone request's (tuned_linear.py).
+        decoding = kernels.decoding(self.model, self.max_batch, compile=self.compile)
+        try:
+            with torch.inference_mode(), decoding as forward:
+                self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
+                if self.compile and compiled_step.supports(self.model):
+                    try:
+                        self._compile_steps()
+                    except Exception:  # e.g. no C++ compiler: each step then fails its requests with the reason
+                        log.exception("compiling the decoding step failed")
+                self._ready.set()
+                self._decode_until_stopped()
+        finally:
+            self._ready.set()  # whatever happened: start() must not wait forever
+
+    def _decode_until_stopped(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._stopping or self._waiting or self._rows):
+                    self._wakeup.wait(0.1)  # a timeout: request_stop (a signal handler) cannot notify
+                if self._stopping:
+                    break
+            try:
+                self._step()
+            except Exception as error:  # a bug or out of memory: the clients hear of it, the server goes on
+                log.exception("decoding step failed")
+                self._fail_all(f"decoding failed: {type(error).__name__}: {error}")
+        self._fail_all("the server is shutting down", kind="shutdown")
 
     def _compile_steps(self) -> None:
         """Compile the decoding step before the first request rather than during it: its two graphs, one row and
-        any other count (compiled_step.py), each by a step on a scratch cache. Requests wait in the queue."""
+        any other count (compiled_step.py), each by a step on a scratch cache, before start() returns."""
         log.info("compiling the decoding step (torch.compile, about 20 s)")
         for rows in (1, 2):
             with torch.inference_mode(False):  # a cache as the batch's: shape, strides and kind are in the guards

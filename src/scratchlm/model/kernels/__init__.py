@@ -82,26 +82,26 @@ def decoding(model: nn.Module, rows: int, compile: bool = False) -> Iterator[Ste
     """What generate() and the server decode `rows` sequences under; yields the step to call instead of
     `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model
     has its shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still
-    on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows by
-    the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy, or
-    oneDNN-packed weights, in float32 or their own dtype). With `compile`, a bf16 model's one-token steps run
-    compiled (compiled_step.py; other models and the other calls decode as without). Every module gets its
-    previous implementation back on exit."""
+    on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows
+    (and one row, where its fastest differs) by the step's weights, timed on this machine (tuned_linear.py: as
+    installed, a column-major copy, or oneDNN-packed weights, in float32 or their own dtype). With `compile`, a
+    bf16 model's one-token steps run compiled (compiled_step.py; other models and the other calls decode as
+    without). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     chosen = choices(_device_of(model))
     _install(model, chosen, only_readable=True)
     step = forward_step(model)
     tuned: nn.Module = model
-    one_pass = None
+    timing_pass = None
     if decode_step.supports(model) and decode_step.fused_bytes(model) <= decode_step.MAX_FUSED_BYTES:
         step = fused = decode_step.DecodeStep(model)
         _install(fused.linears, chosen, only_readable=True)
-        tuned, one_pass = fused.linears, fused.timing_pass(rows)
+        tuned, timing_pass = fused.linears, fused.timing_pass
         if compile and compiled_step.supports(model):
             step = _with_compiled(compiled_step.compiled_for(model), fused)
     try:
-        with tuned_weights(tuned, rows, one_pass=one_pass):
+        with tuned_weights(tuned, rows, timing_pass=timing_pass):
             yield step
     finally:
         for module, attribute, implementation in saved:

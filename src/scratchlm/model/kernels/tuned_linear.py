@@ -9,15 +9,25 @@ oneDNN weights (packed_linear.py) than through torch's emulated bf16 kernels. Fi
 
 `tuned_weights(model, rows)` therefore times each strategy on the model's own CPU Linear layers, all of them
 in a row as one decode step runs them (so weights stream from memory as they do when decoding, rather than
-sitting in cache as in a one-matrix micro-benchmark), and installs the fastest for the block:
+sitting in cache as in a one-matrix micro-benchmark), and installs the fastest for the block. A batch of `rows`
+also decodes a single row at times (a lone request on a server, the last sequence of a batch), and the fastest
+kernel for one row need not be the fastest for several: on the AMD EPYC (Zen 4) of docs/benchmarks.md, W xᵀ
+(few_rows_linear.py) decodes one row of tinystories-17m in 3.1-3.3 ms against 3.8-4.4 ms packed, and packed
+weights decode 8 rows in 5.6-5.7 ms against 7.3-8.1 ms. So for rows > 1 the strategies are timed at one row as
+well, and where the winners differ each layer multiplies through `ByRows`: one row's winner for one row, the
+other's for more. The strategies:
 - "installed": each layer's current matmul (few_rows_linear or the readable `linear`);
 - "column_major": a contiguous float32 copy of Wᵀ, multiplied as x @ Wᵀ;
 - "packed": oneDNN-packed float32 copies of the weights, where this torch has the ops;
 - "packed_native": the weights oneDNN-packed in their own dtype (for float32 weights, "packed" again: skipped).
 bf16/fp16 weights are copied as float32 and their inputs upcast, the product rounded back once: what a bf16
 matmul computes (float32 sums, one rounding), at float32 speed where the CPU has no bf16 instructions.
-The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of the process, so
-only the first decode of a kind pays for the timing (~3 passes over the weights per strategy). Every
+Each strategy is timed in TIMING_ROUNDS rounds, the strategies taking turns, and its fastest pass counts: a
+moment of load from elsewhere (a server's HTTP side starting beside it) slows a pass of one strategy, not all
+of that strategy's passes, which once made a server pick "installed" for 16 rows (9.8 ms a step of 8 rows
+instead of 7.0). The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of
+the process, so only the first decode of a kind pays for the timing (~8 passes over the weights per strategy
+and row count). Every
 strategy falls back to the layer's matmul with autograd on, for another dtype, or once the weight changed in
 place, and each computes the same product (tests/test_kernels.py). The copies are dropped on exit.
 """
@@ -36,7 +46,9 @@ from scratchlm.model.kernels.packed_linear import PackedLinear
 from scratchlm.model.layers import Linear
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+TimingPass = Callable[[int], Callable[[], object]]  # rows -> one decode step (or matmul pass) of that many rows
 TIMED_PASSES = 3  # after one warm-up pass; the fastest pass counts (load from other processes only slows)
+TIMING_ROUNDS = 2  # the strategies take turns: each is timed in every round
 # The strategies copy the weights: models whose float32 copies would pass this size (gpt2-medium and up: 1.4 GB and
 # more) decode with their matmuls as installed rather than double their memory for the length of a generate() call.
 MAX_COPY_BYTES = 2**30
@@ -61,6 +73,17 @@ class ColumnMajorLinear:
         if x.dtype == self.dtype and not torch.is_grad_enabled() and weight._version == self.version:
             return (x.float() @ self.weight_t).to(x.dtype)
         return self.fallback(x, weight)
+
+
+class ByRows:
+    """A layer's matmul through `one_row` for a single row (x (..., in) with one row in all) and `more_rows` for
+    several: the fastest kernel for a lone sequence's step and for a batch's can differ (see above)."""
+
+    def __init__(self, one_row: Matmul, more_rows: Matmul):
+        self.one_row, self.more_rows = one_row, more_rows
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (self.one_row if x.numel() == x.shape[-1] else self.more_rows)(x, weight)
 
 
 def strategies() -> dict[str, Callable[[torch.Tensor, Matmul], Matmul] | None]:
@@ -107,24 +130,22 @@ def _key(layers: list[Linear], rows: int, timed: str) -> tuple:
                    getattr(layer.matmul, "__qualname__", type(layer.matmul).__name__)) for layer in layers))
 
 
-def _fastest(layers: list[Linear], rows: int, one_pass: Callable[[], object] | None) -> tuple[str, list[Matmul]]:
-    """The fastest strategy's name and matmuls (timed now, or remembered from an earlier call)."""
-    key = _key(layers, rows, "matmuls" if one_pass is None else "step")
+def _fastest(layers: list[Linear], rows: int, timing_pass: TimingPass | None) -> str:
+    """The name of the fastest strategy for `rows` rows (timed now, or remembered from an earlier call)."""
+    key = _key(layers, rows, "matmuls" if timing_pass is None else "step")
     if key in _chosen:
-        return _chosen[key], _build(_chosen[key], layers)
-    one_pass = one_pass or _matmul_pass(layers, rows)
-    best_name, best_matmuls, best_seconds = "installed", [], float("inf")
+        return _chosen[key]
+    one_pass = timing_pass(rows) if timing_pass is not None else _matmul_pass(layers, rows)
+    float32_only = all(layer.weight.dtype == torch.float32 for layer in layers)
+    names = [name for name in strategies() if not (name == "packed_native" and float32_only)]  # = "packed"
+    seconds = dict.fromkeys(names, float("inf"))
     with torch.inference_mode():
-        for name in strategies():
-            if name == "packed_native" and all(layer.weight.dtype == torch.float32 for layer in layers):
-                continue  # float32 weights packed natively are "packed"
-            matmuls = _build(name, layers)
-            with _installed(layers, matmuls):
-                seconds = _seconds_per_pass(one_pass)
-            if seconds < best_seconds:
-                best_name, best_matmuls, best_seconds = name, matmuls, seconds
-    _chosen[key] = best_name
-    return best_name, best_matmuls
+        for _ in range(TIMING_ROUNDS):
+            for name in names:
+                with _installed(layers, _build(name, layers)):
+                    seconds[name] = min(seconds[name], _seconds_per_pass(one_pass))
+    _chosen[key] = min(names, key=seconds.__getitem__)  # a tie: the first, "installed" (no copies)
+    return _chosen[key]
 
 
 @contextmanager
@@ -142,14 +163,15 @@ def _installed(layers: list[Linear], matmuls: list[Matmul]) -> Iterator[None]:
 
 @contextmanager
 def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
-                  one_pass: Callable[[], object] | None = None) -> Iterator[str]:
-    """Within the block, the CPU Linear layers of `model` multiply `rows` rows by the fastest strategy (or the
-    one named by `strategy`); yields its name. What is timed for each strategy is `one_pass`, the caller's decode
-    step where it has one (so the choice counts what runs around the products: a strategy that is faster alone
-    can lose inside a step), else every layer's matmul once. Layers already tuned by an enclosing block are
-    left to it; models whose Linear weights pass MAX_COPY_BYTES keep their matmuls (the strategies copy the
-    weights)."""
-    tuned = (ColumnMajorLinear, PackedLinear)
+                  timing_pass: TimingPass | None = None) -> Iterator[str]:
+    """Within the block, the CPU Linear layers of `model` multiply up to `rows` rows by the fastest strategy (or
+    the one named by `strategy`); yields its name, or "ONE (1 row), MORE (N rows)" where one row and `rows` rows
+    each have their own (`ByRows`). What is timed for each strategy is `timing_pass(rows)`, the caller's decode
+    step of that many rows where it has one (so the choice counts what runs around the products: a strategy
+    that is faster alone can lose inside a step), else every layer's matmul once. Layers already tuned by an
+    enclosing block are left to it; models whose Linear weights pass MAX_COPY_BYTES keep their matmuls (the
+    strategies copy the weights)."""
+    tuned = (ColumnMajorLinear, PackedLinear, ByRows)
     layers = [layer for layer in model.modules() if isinstance(layer, Linear) and not isinstance(layer.matmul, tuned)
               and layer.weight.device.type == "cpu" and layer.weight.dtype in COPIED_DTYPES]
     if strategy is not None and strategy not in strategies():
@@ -158,9 +180,16 @@ def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
     if rows < 1 or not layers or copy_bytes > MAX_COPY_BYTES:
         yield "installed"
         return
-    if strategy is None:
-        strategy, matmuls = _fastest(layers, rows, one_pass)
-    else:
-        matmuls = _build(strategy, layers)
-    with _installed(layers, matmuls):
-        yield strategy
+    if strategy is not None:
+        with _installed(layers, _build(strategy, layers)):
+            yield strategy
+        return
+    more = _fastest(layers, rows, timing_pass)
+    one = _fastest(layers, 1, timing_pass) if rows > 1 else more
+    if one == more:
+        with _installed(layers, _build(more, layers)):
+            yield more
+        return
+    by_rows = [ByRows(a, b) for a, b in zip(_build(one, layers), _build(more, layers))]
+    with _installed(layers, by_rows):
+        yield f"{one} (1 row), {more} ({rows} rows)"
