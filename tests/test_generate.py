@@ -407,6 +407,6 @@ def test_batched_decoding_with_each_matmul_strategy_matches_the_readable_model_a
     monkeypatch.setattr(kernels, "decoding", decoding)
     for strategy in tuned_linear.strategies():
         monkeypatch.setattr(kernels, "tuned_weights",
-                            lambda m, rows, timing_pass=None, s=strategy: real(m, rows, strategy=s))
+                            lambda m, rows, s=strategy, **_: real(m, rows, strategy=s))
         assert generate(model, prompts, 2 * CONTEXT, temperature=0) == want, strategy
         assert model.lm_head.matmul is linear

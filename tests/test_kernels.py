@@ -237,10 +237,12 @@ def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeyp
             assert layer.matmul is outer  # the inner block leaves the outer block's copies
         assert layer.matmul is outer
     assert layer.matmul is linear and half.matmul is linear
-    # every strategy in every round, at 8 rows and at 1 row (the same winner: no ByRows)
-    assert sorted(timed) == sorted(list(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS * 2)
+    assert sorted(timed) == sorted(list(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS)  # in every round
     with tuned_weights(model, rows=8) as chosen:  # remembered: not timed again
-        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies()) * 2 * 2
+        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS
+    with tuned_weights(model, rows=8, also_one_row=True) as chosen:  # one row too: the same winner, no ByRows
+        assert chosen == "column_major" and isinstance(layer.matmul, ColumnMajorLinear)
+    assert len(timed) == len(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS * 2
     monkeypatch.setattr(tuned_linear, "MAX_COPY_BYTES", layer.weight.nbytes)
     with tuned_weights(model, rows=8) as chosen:  # weights too large to copy
         assert chosen == "installed" and layer.matmul is linear
@@ -257,7 +259,7 @@ def test_float32_weights_are_not_timed_packed_twice(monkeypatch):
     with tuned_weights(model, rows=8):
         pass
     timed_strategies = len(tuned_linear.strategies()) - ("packed_native" in tuned_linear.strategies())
-    assert len(timed) == timed_strategies * tuned_linear.TIMING_ROUNDS * 2  # at 8 rows and at 1
+    assert len(timed) == timed_strategies * tuned_linear.TIMING_ROUNDS
 
 
 def test_one_row_and_several_each_get_their_fastest_strategy(monkeypatch):
@@ -279,7 +281,7 @@ def test_one_row_and_several_each_get_their_fastest_strategy(monkeypatch):
         return one_pass
 
     monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: one_pass())
-    with tuned_weights(layer, rows=8, timing_pass=timing_pass) as chosen, torch.inference_mode():
+    with tuned_weights(layer, rows=8, timing_pass=timing_pass, also_one_row=True) as chosen, torch.inference_mode():
         assert chosen == "installed (1 row), column_major (8 rows)" and disturbed
         assert isinstance(layer.matmul, tuned_linear.ByRows)
         assert isinstance(layer.matmul.more_rows, ColumnMajorLinear) and layer.matmul.one_row is linear

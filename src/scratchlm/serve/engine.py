@@ -199,7 +199,7 @@ class Engine:
     def _run(self) -> None:
         # The decoding matmuls are chosen once for the server's life, timed at max_batch rows, the batch size a
         # loaded server runs at, and at one row, a lone request's (tuned_linear.py).
-        decoding = kernels.decoding(self.model, self.max_batch, compile=self.compile)
+        decoding = kernels.decoding(self.model, self.max_batch, compile=self.compile, varying_rows=True)
         try:
             with torch.inference_mode(), decoding as forward:
                 self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies

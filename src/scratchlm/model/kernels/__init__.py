@@ -78,15 +78,16 @@ Step = Callable[..., torch.Tensor]  # (ids (B, T), kv_cache, attention_mask=None
 
 
 @contextmanager
-def decoding(model: nn.Module, rows: int, compile: bool = False) -> Iterator[Step]:
-    """What generate() and the server decode `rows` sequences under; yields the step to call instead of
-    `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model
-    has its shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still
-    on the readable path (kernels the caller applied stay), then on CPU the fastest way to multiply `rows` rows
-    (and one row, where its fastest differs) by the step's weights, timed on this machine (tuned_linear.py: as
-    installed, a column-major copy, or oneDNN-packed weights, in float32 or their own dtype). With `compile`, a
-    bf16 model's one-token steps run compiled (compiled_step.py; other models and the other calls decode as
-    without). Every module gets its previous implementation back on exit."""
+def decoding(model: nn.Module, rows: int, compile: bool = False, varying_rows: bool = False) -> Iterator[Step]:
+    """What generate() and the server decode `rows` sequences under (`varying_rows`: as few as one at times);
+    yields the step to call instead of `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`:
+    decode_step.py's fused step where the model has its shape (else the forward itself). Inside, `apply`'s
+    choices for the model's device on each module still on the readable path (kernels the caller applied stay),
+    then on CPU the fastest way to multiply `rows` rows (and with `varying_rows` one row, where its fastest
+    differs) by the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy,
+    or oneDNN-packed weights, in float32 or their own dtype). With `compile`, a bf16 model's one-token steps run
+    compiled (compiled_step.py; other models and the other calls decode as without). Every module gets its
+    previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     chosen = choices(_device_of(model))
@@ -101,7 +102,7 @@ def decoding(model: nn.Module, rows: int, compile: bool = False) -> Iterator[Ste
         if compile and compiled_step.supports(model):
             step = _with_compiled(compiled_step.compiled_for(model), fused)
     try:
-        with tuned_weights(tuned, rows, timing_pass=timing_pass):
+        with tuned_weights(tuned, rows, timing_pass=timing_pass, also_one_row=varying_rows):
             yield step
     finally:
         for module, attribute, implementation in saved:

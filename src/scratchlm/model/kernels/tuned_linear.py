@@ -13,9 +13,9 @@ sitting in cache as in a one-matrix micro-benchmark), and installs the fastest f
 also decodes a single row at times (a lone request on a server, the last sequence of a batch), and the fastest
 kernel for one row need not be the fastest for several: on the AMD EPYC (Zen 4) of docs/benchmarks.md, W xᵀ
 (few_rows_linear.py) decodes one row of tinystories-17m in 3.1-3.3 ms against 3.8-4.4 ms packed, and packed
-weights decode 8 rows in 5.6-5.7 ms against 7.3-8.1 ms. So for rows > 1 the strategies are timed at one row as
-well, and where the winners differ each layer multiplies through `ByRows`: one row's winner for one row, the
-other's for more. The strategies:
+weights decode 8 rows in 5.6-5.7 ms against 7.3-8.1 ms. So a caller whose batch varies (a server:
+`also_one_row`) has the strategies timed at one row as well, and where the winners differ each layer
+multiplies through `ByRows`: one row's winner for one row, the other's for more. The strategies:
 - "installed": each layer's current matmul (few_rows_linear or the readable `linear`);
 - "column_major": a contiguous float32 copy of Wᵀ, multiplied as x @ Wᵀ;
 - "packed": oneDNN-packed float32 copies of the weights, where this torch has the ops;
@@ -26,8 +26,8 @@ Each strategy is timed in TIMING_ROUNDS rounds, the strategies taking turns, and
 moment of load from elsewhere (a server's HTTP side starting beside it) slows a pass of one strategy, not all
 of that strategy's passes, which once made a server pick "installed" for 16 rows (9.8 ms a step of 8 rows
 instead of 7.0). The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of
-the process, so only the first decode of a kind pays for the timing (~8 passes over the weights per strategy
-and row count). Every
+the process, so only the first decode of a kind pays for the timing (5 passes over the weights per strategy
+and row count, one of them a warm-up). Every
 strategy falls back to the layer's matmul with autograd on, for another dtype, or once the weight changed in
 place, and each computes the same product (tests/test_kernels.py). The copies are dropped on exit.
 """
@@ -47,8 +47,8 @@ from scratchlm.model.layers import Linear
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TimingPass = Callable[[int], Callable[[], object]]  # rows -> one decode step (or matmul pass) of that many rows
-TIMED_PASSES = 3  # after one warm-up pass; the fastest pass counts (load from other processes only slows)
-TIMING_ROUNDS = 2  # the strategies take turns: each is timed in every round
+TIMED_PASSES = 2  # per strategy and round; the fastest pass counts (load from other processes only slows)
+TIMING_ROUNDS = 2  # the strategies take turns: each is timed in every round (the first after a warm-up pass)
 # The strategies copy the weights: models whose float32 copies would pass this size (gpt2-medium and up: 1.4 GB and
 # more) decode with their matmuls as installed rather than double their memory for the length of a generate() call.
 MAX_COPY_BYTES = 2**30
@@ -114,8 +114,7 @@ def _matmul_pass(layers: list[Linear], rows: int) -> Callable[[], None]:
 
 
 def _seconds_per_pass(one_pass: Callable[[], object]) -> float:
-    """The fastest of TIMED_PASSES timed calls of `one_pass`, after one warm-up call."""
-    one_pass()
+    """The fastest of TIMED_PASSES timed calls of `one_pass`."""
     best = float("inf")
     for _ in range(TIMED_PASSES):
         start = time.perf_counter()
@@ -140,9 +139,11 @@ def _fastest(layers: list[Linear], rows: int, timing_pass: TimingPass | None) ->
     names = [name for name in strategies() if not (name == "packed_native" and float32_only)]  # = "packed"
     seconds = dict.fromkeys(names, float("inf"))
     with torch.inference_mode():
-        for _ in range(TIMING_ROUNDS):
+        for round_ in range(TIMING_ROUNDS):
             for name in names:
                 with _installed(layers, _build(name, layers)):
+                    if round_ == 0:
+                        one_pass()  # a warm-up: oneDNN creates its kernels for a shape on first use
                     seconds[name] = min(seconds[name], _seconds_per_pass(one_pass))
     _chosen[key] = min(names, key=seconds.__getitem__)  # a tie: the first, "installed" (no copies)
     return _chosen[key]
@@ -163,10 +164,11 @@ def _installed(layers: list[Linear], matmuls: list[Matmul]) -> Iterator[None]:
 
 @contextmanager
 def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
-                  timing_pass: TimingPass | None = None) -> Iterator[str]:
-    """Within the block, the CPU Linear layers of `model` multiply up to `rows` rows by the fastest strategy (or
-    the one named by `strategy`); yields its name, or "ONE (1 row), MORE (N rows)" where one row and `rows` rows
-    each have their own (`ByRows`). What is timed for each strategy is `timing_pass(rows)`, the caller's decode
+                  timing_pass: TimingPass | None = None, also_one_row: bool = False) -> Iterator[str]:
+    """Within the block, the CPU Linear layers of `model` multiply `rows` rows by the fastest strategy (or the
+    one named by `strategy`); yields its name. With `also_one_row` (a batch that also decodes a single row at
+    times) one row gets its own fastest where that differs (`ByRows`), and the name is "ONE (1 row), MORE (N
+    rows)". What is timed for each strategy is `timing_pass(rows)`, the caller's decode
     step of that many rows where it has one (so the choice counts what runs around the products: a strategy
     that is faster alone can lose inside a step), else every layer's matmul once. Layers already tuned by an
     enclosing block are left to it; models whose Linear weights pass MAX_COPY_BYTES keep their matmuls (the
@@ -185,7 +187,7 @@ def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
             yield strategy
         return
     more = _fastest(layers, rows, timing_pass)
-    one = _fastest(layers, 1, timing_pass) if rows > 1 else more
+    one = _fastest(layers, 1, timing_pass) if also_one_row and rows > 1 else more
     if one == more:
         with _installed(layers, _build(more, layers)):
             yield more
