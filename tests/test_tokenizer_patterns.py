@@ -207,9 +207,27 @@ def tiktoken_cl100k_pattern() -> str:
 
 
 def test_gpt4_is_cl100k_spelled_for_every_regex_engine(tiktoken_cl100k_pattern):
-    assert NAMED_PATTERNS["gpt4"] == GPT4_SPLIT_PATTERN == LLAMA3_SPLIT_PATTERN
+    assert NAMED_PATTERNS["gpt4"] == GPT4_SPLIT_PATTERN != LLAMA3_SPLIT_PATTERN == NAMED_PATTERNS["llama3"]
     assert "{1,3}+" in tiktoken_cl100k_pattern  # tiktoken's possessive spelling, which Oniguruma misreads
+    assert r"\s++$" in tiktoken_cl100k_pattern  # Oniguruma's $ is the end of any line
     assert LLAMA3_SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}") == QWEN2_SPLIT_PATTERN
+
+
+@pytest.mark.parametrize(("text", "gpt4", "llama3"), [
+    ("\n ", ["\n "], ["\n", " "]),  # found by hypothesis: whitespace that ends the text is one pre-token in cl100k
+    ("a\n ", ["a", "\n "], ["a", "\n", " "]),
+    ("hi \r\n  ", ["hi", " \r\n  "], ["hi", " \r\n", "  "]),
+    ("a  \nb", ["a", "  \n", "b"], ["a", "  \n", "b"]),  # not at the end (nor at a line's end): the same split
+    ("end.\n  ", ["end", ".\n", "  "], ["end", ".\n", "  "]),
+])
+def test_gpt4_and_llama3_differ_only_at_the_end_of_the_text(tiktoken_cl100k_pattern, text, gpt4, llama3):
+    from tokenizers import Regex, pre_tokenizers
+
+    assert pretokens(text, tiktoken_cl100k_pattern) == pretokens(text, GPT4_SPLIT_PATTERN) == gpt4
+    assert pretokens(text, LLAMA3_SPLIT_PATTERN) == llama3
+    for pattern, expected in ((GPT4_SPLIT_PATTERN, gpt4), (LLAMA3_SPLIT_PATTERN, llama3)):
+        assert [piece for piece, _ in pre_tokenizers.Split(Regex(pattern), "isolated").pre_tokenize_str(text)] \
+            == expected
 
 
 @SETTINGS

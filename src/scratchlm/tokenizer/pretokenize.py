@@ -9,8 +9,8 @@ each stretch of text between two matches (the named patterns match every charact
 Sources of the named patterns (each is copied character for character):
 
     gpt2    GPT-2's encoder.py (openai/gpt-2), which tiktoken calls r50k_base
-    gpt4    tiktoken's cl100k_base ``pat_str`` (tiktoken_ext/openai_public.py), as spelled before tiktoken 0.7
-    llama3  the ``Split`` regex of Meta Llama 3's tokenizer.json: the same string as gpt4
+    gpt4    tiktoken's cl100k_base ``pat_str`` (tiktoken_ext/openai_public.py), spelled for every regex engine
+    llama3  the ``Split`` regex of Meta Llama 3's tokenizer.json: gpt4's without its end-of-text clause
     qwen2   the ``Split`` regex of Qwen2's (and Qwen3's) tokenizer.json: Llama 3's with single digits (``\\p{N}``)
 
 The named patterns share two facts the fast paths rely on (``has_known_boundaries``; docs/tokenizer-encoding.md
@@ -33,13 +33,17 @@ import regex
 
 # GPT-2's pattern (the one tiktoken calls "r50k_base"/"gpt2").
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# GPT-4's (tiktoken's cl100k_base): case-blind contractions, an optional non-letter before a word, digits in
-# groups of up to three, punctuation that keeps its line ends, and line ends apart from other whitespace. Spelled
-# as tiktoken did before 0.7 and as Llama 3's tokenizer.json does; tiktoken's possessive spelling now
-# (``\p{N}{1,3}+``...) splits the same (tested), but Hugging Face's regex engine reads ``{1,3}+`` as a repeat.
-GPT4_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-LLAMA3_SPLIT_PATTERN = GPT4_SPLIT_PATTERN
+# Llama 3's: case-blind contractions, an optional non-letter before a word, digits in groups of up to three,
+# punctuation that keeps its line ends, and line ends apart from other whitespace (tiktoken's cl100k_base as
+# tiktoken spelled it before 0.7).
+LLAMA3_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                        r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# GPT-4's (tiktoken's cl100k_base now): Llama 3's, and whitespace that ends the text is one pre-token ("a\n " ->
+# "a", "\n "; Llama 3: "a", "\n", " "). tiktoken spells that clause ``\s++$`` and the rest possessively
+# (``\p{N}{1,3}+``...), which splits the same (tested); but Hugging Face's regex engine reads ``{1,3}+`` as a
+# repeat and its ``$`` as the end of any line, so the end of the text is spelled ``(?![\s\S])`` (no character
+# follows).
+GPT4_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"|\s*[\r\n]+", r"|\s+(?![\s\S])|\s*[\r\n]+")
 # Qwen2's (and Qwen3's): Llama 3's with single digits.
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
                        r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
