@@ -22,12 +22,14 @@ multiplies through `ByRows`: one row's winner for one row, the other's for more.
 - "packed_native": the weights oneDNN-packed in their own dtype (for float32 weights, "packed" again: skipped).
 bf16/fp16 weights are copied as float32 and their inputs upcast, the product rounded back once: what a bf16
 matmul computes (float32 sums, one rounding), at float32 speed where the CPU has no bf16 instructions.
-Each strategy is timed in TIMING_ROUNDS rounds, the strategies taking turns, and its fastest pass counts: a
-moment of load from elsewhere (a server's HTTP side starting beside it) slows a pass of one strategy, not all
-of that strategy's passes, which once made a server pick "installed" for 16 rows (9.8 ms a step of 8 rows
-instead of 7.0). The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of
-the process, so only the first decode of a kind pays for the timing (5 passes over the weights per strategy
-and row count, one of them a warm-up). Every
+Each strategy is timed once in each of TIMING_ROUNDS rounds, the strategies taking turns, and its fastest pass
+counts: a moment of load from elsewhere (a server's HTTP side starting beside it) slows a pass of one strategy,
+not all of that strategy's passes, which once made a server pick "installed" for 16 rows (9.8 ms a step of 8
+rows instead of 7.0). Passes spread over rounds beat passes back to back: in process on a busy 2-core VM,
+3 rounds of one pass picked the 1-row winner 60 times in 60, 2 rounds of two passes (the same time) 56 in 60.
+The choice is remembered per (rows, threads, layer shapes, dtypes and matmuls) for the life of the process, so
+only the first decode of a kind pays for the timing (4 passes over the weights per strategy and row count, one
+of them a warm-up). Every
 strategy falls back to the layer's matmul with autograd on, for another dtype, or once the weight changed in
 place, and each computes the same product (tests/test_kernels.py). The copies are dropped on exit.
 """
@@ -47,8 +49,7 @@ from scratchlm.model.layers import Linear
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TimingPass = Callable[[int], Callable[[], object]]  # rows -> one decode step (or matmul pass) of that many rows
-TIMED_PASSES = 2  # per strategy and round; the fastest pass counts (load from other processes only slows)
-TIMING_ROUNDS = 2  # the strategies take turns: each is timed in every round (the first after a warm-up pass)
+TIMING_ROUNDS = 3  # the strategies take turns, one timed pass each a round (the first after a warm-up pass)
 # The strategies copy the weights: models whose float32 copies would pass this size (gpt2-medium and up: 1.4 GB and
 # more) decode with their matmuls as installed rather than double their memory for the length of a generate() call.
 MAX_COPY_BYTES = 2**30
@@ -114,13 +115,9 @@ def _matmul_pass(layers: list[Linear], rows: int) -> Callable[[], None]:
 
 
 def _seconds_per_pass(one_pass: Callable[[], object]) -> float:
-    """The fastest of TIMED_PASSES timed calls of `one_pass`."""
-    best = float("inf")
-    for _ in range(TIMED_PASSES):
-        start = time.perf_counter()
-        one_pass()
-        best = min(best, time.perf_counter() - start)
-    return best
+    start = time.perf_counter()
+    one_pass()
+    return time.perf_counter() - start
 
 
 def _key(layers: list[Linear], rows: int, timed: str) -> tuple:
