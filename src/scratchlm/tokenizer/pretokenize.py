@@ -16,8 +16,9 @@ Sources of the named patterns (each is copied character for character):
 The named patterns share two facts the fast paths rely on (``has_known_boundaries``; docs/tokenizer-encoding.md
 gives the argument, tests check it): a space that follows a non-whitespace character always starts a pre-token,
 and so does a character right after ``X"\\n"`` where X and that character are printable ASCII; and no pre-token
-to the left of either position looks past it. A custom pattern is taken on no such trust: its text is split only
-at special tokens.
+to the left of either position depends on what follows it (gpt4's end-of-text clause, which looks, matches there
+just what ``\\s*[\\r\\n]+`` matches when text follows: the whitespace up to that line end). A custom pattern is
+taken on no such trust: its text is split only at special tokens.
 
 For GPT-2's pattern only, the encoder also cuts text at spaces with ``str.split(" ")`` (far cheaper than the
 regex) and runs an ASCII spelling of the pattern through ``re``; the word helpers at the end state those facts.
