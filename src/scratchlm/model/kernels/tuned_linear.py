@@ -179,16 +179,12 @@ def tuned_weights(model: nn.Module, rows: int, strategy: str | None = None,
     if rows < 1 or not layers or copy_bytes > MAX_COPY_BYTES:
         yield "installed"
         return
-    if strategy is not None:
-        with _installed(layers, _build(strategy, layers)):
-            yield strategy
-        return
-    more = _fastest(layers, rows, timing_pass)
-    one = _fastest(layers, 1, timing_pass) if also_one_row and rows > 1 else more
+    more = strategy or _fastest(layers, rows, timing_pass)
+    one = _fastest(layers, 1, timing_pass) if strategy is None and also_one_row and rows > 1 else more
     if one == more:
-        with _installed(layers, _build(more, layers)):
-            yield more
-        return
-    by_rows = [ByRows(a, b) for a, b in zip(_build(one, layers), _build(more, layers))]
-    with _installed(layers, by_rows):
-        yield f"{one} (1 row), {more} ({rows} rows)"
+        name, matmuls = more, _build(more, layers)
+    else:
+        name = f"{one} (1 row), {more} ({rows} rows)"
+        matmuls = [ByRows(a, b) for a, b in zip(_build(one, layers), _build(more, layers))]
+    with _installed(layers, matmuls):
+        yield name
