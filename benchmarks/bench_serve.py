@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -225,19 +226,9 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
     cpu = {"server": rss.process, "client": psutil.Process()}  # the clients are this process's threads
     cpu_before = {name: _cpu_seconds(process) for name, process in cpu.items()}
     started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_clients(clients, client_loop)
     seconds = time.perf_counter() - started
     cpu_share = {name: (_cpu_seconds(process) - cpu_before[name]) / seconds for name, process in cpu.items()}
-
-    def quantile(xs: list[float], q: int) -> float:
-        if len(xs) < 2:
-            return xs[0] if xs else float("nan")
-        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
-
     return {"clients": clients, "requests": clients * requests, "seconds": seconds,
             "tokens": sum(tokens), "tokens_per_s": sum(tokens) / seconds,
             "tokens_per_request": sum(tokens) / len(tokens) if tokens else float("nan"),
@@ -248,6 +239,22 @@ def load(url: str, clients: int, requests: int, max_tokens: int, rss: RSSSampler
             "server_cpu": cpu_share["server"], "client_cpu": cpu_share["client"],
             "errors": len(errors), "error_examples": errors[:3],
             "peak_rss_mb": rss.peak / 2**20, "rss_growth_mb": (rss.now() - start_rss) / 2**20}
+
+
+def run_clients(clients: int, client_loop: Callable[[], None]) -> None:
+    """`client_loop` on `clients` threads at once, until every one has returned."""
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def quantile(xs: list[float], q: int) -> float:
+    """The q-th percentile of xs (NaN for none)."""
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
 def _cpu_seconds(process: psutil.Process) -> float:
@@ -273,6 +280,20 @@ def measure(command: list[str], env: dict[str, str], port: int, log: Path, clien
             server.kill()
             code = server.wait()
     return results, code
+
+
+def server_env(threads: int) -> dict[str, str]:
+    """The environment every server runs in: this checkout's source, `threads` torch threads, no hub."""
+    return {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def measure_ours(run: Path, env: dict[str, str], clients: list[int], requests: int, max_tokens: int,
+                 server_args: list[str]) -> tuple[list[dict], int]:
+    """`measure` on `scratchlm serve RUN`, its log beside the run."""
+    port = free_port()
+    return measure([sys.executable, "-m", "scratchlm", "serve", str(run), "--port", str(port), "--log-level",
+                    "warning", *server_args], env, port, run.parent / "scratchlm.log", clients, requests, max_tokens)
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
@@ -306,13 +327,27 @@ def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
               f"{a['p95_s']:.3f} s vs {b['p95_s']:.3f} s ({verdict}; target: no worse)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the loads: shared with bench_engine.py, which runs the same loads on the engine alone."""
     parser.add_argument("--quick", action="store_true", help="tiny preset, 1 and 2 clients x 2 requests")
     parser.add_argument("--preset", default=None, help="model shape (default: tinystories-17m; --quick: tiny)")
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="loads to run (default: 1 8)")
     parser.add_argument("--requests", type=int, default=None, help="requests per client (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: 128; --quick: 16)")
+
+
+def load_settings(args: argparse.Namespace) -> tuple[str, list[int], int, int]:
+    """(preset, clients of each load, requests per client, max_tokens per request) from add_load_arguments'."""
+    preset = args.preset or ("tiny" if args.quick else "tinystories-17m")
+    clients = args.clients or ([1, 2] if args.quick else [1, 8])
+    requests = args.requests or (2 if args.quick else 8)
+    max_tokens = args.max_tokens or (16 if args.quick else 128)
+    return preset, clients, requests, max_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_arguments(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch CPU threads of every server, as OMP_NUM_THREADS (default: torch's choice "
                              f"here, {torch.get_num_threads()})")
@@ -327,10 +362,7 @@ def main() -> None:
                              "with --cb-num-blocks sized to the loads unless given)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    preset = args.preset or ("tiny" if args.quick else "tinystories-17m")
-    clients = args.clients or ([1, 2] if args.quick else [1, 8])
-    requests = args.requests or (2 if args.quick else 8)
-    max_tokens = args.max_tokens or (16 if args.quick else 128)
+    preset, clients, requests, max_tokens = load_settings(args)
     threads = args.threads or torch.get_num_threads()
     # Each request holds prompt + max_tokens positions; twice the largest load's worth leaves the scheduler room.
     cache_blocks = 2 * max(clients) * -(-(len(PROMPT.encode()) + max_tokens) // CB_PAGE_TOKENS)
@@ -338,15 +370,11 @@ def main() -> None:
     if "--continuous-batching" in rival_args and not any(a.startswith("--cb-num-blocks") for a in rival_args):
         rival_args = [*rival_args, "--cb-num-blocks", str(cache_blocks)]
     rival_versions = check_rival_python(args.rival_python) if args.rival else None
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = server_env(threads)
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
         run = write_random_run(preset, Path(folder))
-        port = free_port()
-        ours, code = measure([sys.executable, "-m", "scratchlm", "serve", str(run), "--port", str(port),
-                              "--log-level", "warning", *args.server_arg],
-                             env, port, Path(folder) / "scratchlm.log", clients, requests, max_tokens)
+        ours, code = measure_ours(run, env, clients, requests, max_tokens, args.server_arg)
         theirs, rival_code = [], 0
         if args.rival:
             model = export_for_transformers(run, Path(folder) / "hf", env)
