@@ -46,6 +46,7 @@ class EngineClock:
     def __init__(self, engine: Engine) -> None:
         self.seconds = {"steps": 0.0, "prefills": 0.0, "busy": 0.0}
         self._prefilling = False  # a one-token prompt's forward is no decoding step
+        self._stepping = False
         forward, prefill, step = engine._forward, engine._prefill, engine._step
 
         def timed_prefill(sequence: Sequence) -> None:
@@ -55,9 +56,17 @@ class EngineClock:
             finally:
                 self._prefilling = False
 
+        def timed_step() -> None:
+            self._stepping = True
+            try:
+                self._time("busy", step)
+            finally:
+                self._stepping = False
+
         engine._forward = lambda ids, cache: self._time(None if self._prefilling else "steps", forward, ids, cache)
         engine._prefill = timed_prefill
-        engine._step = lambda: self._time("busy", step)
+        engine._step = timed_step
+        self._engine = engine
 
     def _time(self, part: str | None, work: Callable, *args) -> object:
         started = time.perf_counter()
@@ -66,6 +75,12 @@ class EngineClock:
         finally:
             if part is not None:
                 self.seconds[part] += time.perf_counter() - started
+
+    def wait_until_idle(self) -> None:
+        """Until the engine has no rows and is in no step. A load's last client is answered during a step, and
+        the engine then drops its row in one more: that time is the load's, not the next one's."""
+        while self._stepping or self._engine.stats()["active"] or self._engine.stats()["waiting"]:
+            time.sleep(0.0005)
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
@@ -112,6 +127,7 @@ def engine_load(engine: Engine, prompt: list[int], clients: int, requests: int, 
     steps_before = engine.steps
     started = time.perf_counter()
     bench_serve.run_clients(clients, client_loop)
+    clock.wait_until_idle()
     seconds = time.perf_counter() - started
     parts = clock.seconds
     return {"clients": clients, "requests": clients * requests, "seconds": seconds, "tokens": sum(tokens),
