@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 STEPS_IN_A_PROCESS = """
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     results: dict[str, dict] = {"default": {"times": [], "peak_mb": 0.0}, "kept": {"times": [], "peak_mb": 0.0}}
     for round_index in range(args.rounds):
         for side in ("default", "kept") if round_index % 2 == 0 else ("kept", "default"):

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import python_command
+from harness import machine_line, python_command
 
 VOCAB = 1000
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -139,6 +139,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of ours on lines under 10 MB (median)")
     parser.add_argument("--hf-cap", type=float, default=120.0, help="seconds before HF tokenizers is stopped")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     start = time.perf_counter()
     print(f"load average before the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     summary: dict = {}

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from harness import machine_line
 from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.model.kernels.compiled_step import CompiledStep
 
@@ -40,7 +41,7 @@ def measure(dtype: torch.dtype, rows: int, steps: int) -> tuple[float, float, fl
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.preset(PRESET), dtype=dtype).eval()
     ids = torch.zeros(rows, dtype=torch.long)
-    with torch.inference_mode(), kernels.decoding(model, rows) as ours:
+    with torch.inference_mode(), kernels.decoding(model) as ours:
         def prompted() -> KVCache:
             cache = KVCache.for_model(model, rows)
             ours(ids[:, None].expand(rows, 22).contiguous(), cache)
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps instead of {STEPS}")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     steps = QUICK_STEPS if args.quick else STEPS
     torch.set_num_threads(args.threads)
     print(f"{PRESET}, {args.threads} threads, median of {steps} steps at positions 22-{21 + steps}")

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402  (a sibling script)
+from harness import machine_line  # noqa: E402
 from scratchlm.serve.commands import off_the_main_thread  # noqa: E402
 from scratchlm.serve.engine import Engine, Failed, Finished, Sampling, Sequence  # noqa: E402
 from scratchlm.train.checkpoint import load_for_inference  # noqa: E402
@@ -179,6 +180,7 @@ def main() -> None:
                         help=f"torch CPU threads of the engine and the server (default: {torch.get_num_threads()})")
     parser.add_argument("--no-server", action="store_true", help="only the engine, not the server beside it")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     preset, clients, requests, max_tokens = bench_serve.load_settings(args)
     torch.set_num_threads(args.threads)
 

@@ -79,7 +79,7 @@ def bench_model(repeats: int) -> None:
         def decode(use_kernels: bool, prompts=prompts):
             if not use_kernels:
                 return _greedy(readable, prompts, 64)
-            with kernels.decoding(readable, len(prompts)):  # what generate() decodes under
+            with kernels.decoding(readable):  # what generate() decodes under
                 return _greedy(readable, prompts, 64)
 
         results = interleave({"readable": lambda: decode(False), "kernels": lambda: decode(True)}, repeats=repeats)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import machine_line  # noqa: E402
 from scratchlm.config import RunConfig, load_config  # noqa: E402
 from scratchlm.data.token_file import open_token_file  # noqa: E402
 from scratchlm.experiments.runs import read_metrics  # noqa: E402
@@ -466,6 +467,7 @@ def main() -> int:
     parser.add_argument("--skip-rival1", action="store_true", help="development: leave rival 1 out")
     parser.add_argument("--skip-rival2", action="store_true", help="development: leave rival 2 out")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     if args.quick:
         args.minutes = 1.0
     if args.ours_vocab is None and args.ours_config.is_file():

@@ -59,6 +59,7 @@ import httpx
 import psutil
 import torch
 
+from harness import machine_line
 from scratchlm.compat.commands import write_run
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
@@ -362,6 +363,7 @@ def main() -> None:
                              "with --cb-num-blocks sized to the loads unless given)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     preset, clients, requests, max_tokens = load_settings(args)
     threads = args.threads or torch.get_num_threads()
     # Each request holds prompt + max_tokens positions; twice the largest load's worth leaves the scheduler room.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -144,10 +145,32 @@ def python_command(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def machine_line() -> str:
+    """The CPU beside every figure: its model, its widest vector ISA (and bf16 arithmetic), what ATEN_CPU_CAPABILITY
+    holds torch to, the cores and the load average when measured. Reads /proc/cpuinfo, not torch, so that a
+    benchmark whose parent process must stay small can print it."""
+    name, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
+    held = os.environ.get("ATEN_CPU_CAPABILITY")
+    held = f", torch held to {held.upper()}" if held else ""
+    return (f"machine: {name}, {isa}{bf16}{held}; {os.cpu_count()} cores; load average "
+            f"{os.getloadavg()[0]:.2f} (1 min)")
+
+
 def table(title: str, results: list[Result], unit_work: float | None = None, unit: str = "", *,
           peak: bool = True) -> None:
     """Print a Markdown table of medians (and peak RSS, and work per second) under a heading."""
     print(f"\n## {title}")
+    print(machine_line())
     print(f"| contender | median s |{' peak RSS MB |' if peak else ''} {unit + '/s' if unit else ''} |")
     print(f"|---|---:|{'---:|' if peak else ''}---:|")
     for r in results:

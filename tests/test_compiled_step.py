@@ -57,17 +57,17 @@ def test_decoding_compiles_only_a_bf16_model_and_only_its_one_token_steps():
     original = compiled.__class__.__call__
     compiled.__class__.__call__ = lambda self, ids, cache: calls.append(ids.shape) or original(self, ids, cache)
     try:
-        with torch.inference_mode(), kernels.decoding(model, 2, compile=True) as step:
+        with torch.inference_mode(), kernels.decoding(model, compile=True) as step:
             cache = KVCache.for_model(model, 2)
             step(torch.zeros(2, 4, dtype=torch.long), cache)  # a prefill: the eager step
             step(torch.zeros(2, 1, dtype=torch.long), cache)
-        with torch.inference_mode(), kernels.decoding(model, 2) as step:  # not asked: eager
+        with torch.inference_mode(), kernels.decoding(model) as step:  # not asked: eager
             step(torch.zeros(2, 1, dtype=torch.long), KVCache.for_model(model, 2))
     finally:
         compiled.__class__.__call__ = original
     assert calls == [torch.Size([2, 1])]
     float32 = _model(torch.float32)
-    with torch.inference_mode(), kernels.decoding(float32, 2, compile=True) as step:
+    with torch.inference_mode(), kernels.decoding(float32, compile=True) as step:
         assert isinstance(step, DecodeStep)  # float32: eager, where it is faster
 
 
@@ -107,9 +107,9 @@ def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
     cache, ids = _prefilled(model, [4, 4])
     eager_cache = copy.deepcopy(cache)
     with torch.inference_mode():
-        with kernels.decoding(model, 2, compile=True) as step:
+        with kernels.decoding(model, compile=True) as step:
             got = [step(ids[:, t:t + 1], cache) for t in range(3)]
-        with kernels.decoding(model, 2) as step:
+        with kernels.decoding(model) as step:
             want = [step(ids[:, t:t + 1], eager_cache) for t in range(3)]
     assert calls == [1] and compiled.failed
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,9 +1,10 @@
 """The fused decoding step (model/kernels/decode_step.py) equals the model's forward with a KV cache: logits and the
-cache it leaves, over many steps, for every switch it supports, with left padding and merged caches, under every
-matmul strategy; and everything it does not support goes to the forward."""
+cache it leaves, over many steps, for every switch it supports, with left padding and merged caches, with packed
+and unpacked weights; and everything it does not support goes to the forward."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -11,9 +12,9 @@ import torch
 from torch.testing import assert_close
 
 from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
-from scratchlm.model.kernels import decode_step, tuned_linear
+from scratchlm.model.kernels import decode_step, packed_linear
 from scratchlm.model.kernels.decode_step import DecodeStep
-from scratchlm.model.kernels.tuned_linear import tuned_weights
+from scratchlm.model.kernels.packed_linear import packed_weights
 from scratchlm.model.layers import RMSNorm
 from scratchlm.serve import batch_cache
 
@@ -48,12 +49,14 @@ def _prefilled(model: TransformerLM, prompt_lengths: list[int], seed: int = 1) -
     return cache, ids[:, width:]
 
 
-def _decode_both(model: TransformerLM, prompt_lengths: list[int], steps: int, strategy: str | None = None):
-    """The logits of `steps` tokens decoded by the forward and by the step, and the two caches they leave."""
+def _decode_both(model: TransformerLM, prompt_lengths: list[int], steps: int, packed: bool = True):
+    """The logits of `steps` tokens decoded by the forward and by the step (its weights packed as decoding packs
+    them, or not), and the two caches they leave."""
     forward_cache, ids = _prefilled(model, prompt_lengths)
     step_cache = copy.deepcopy(forward_cache)
     step = DecodeStep(model)
-    with torch.inference_mode(), tuned_weights(step.linears, len(prompt_lengths), strategy=strategy):
+    packing = packed_weights(step.linears) if packed else contextlib.nullcontext()
+    with torch.inference_mode(), packing:
         want = [model(ids[:, t:t + 1], kv_cache=forward_cache, last_only=True) for t in range(steps)]
         got = [step(ids[:, t:t + 1], step_cache) for t in range(steps)]
     return torch.cat(got, 1), torch.cat(want, 1), step_cache, forward_cache
@@ -87,7 +90,7 @@ def test_a_prefill_through_the_step_equals_the_forward_in_chunks_up_to_the_conte
     ids = torch.randint(0, model.config.vocab_size, (2, context), generator=torch.Generator().manual_seed(3))
     forward_cache, step_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
     step = DecodeStep(model)
-    with torch.inference_mode(), tuned_weights(step.linears, 2):
+    with torch.inference_mode(), packed_weights(step.linears):
         for start, end in ((0, 7), (7, 12), (12, 13), (13, context)):
             want = model(ids[:, start:end], kv_cache=forward_cache, last_only=True)
             got = step(ids[:, start:end], step_cache)
@@ -108,10 +111,11 @@ def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
         assert torch.equal(decode_step._fused_norm(norm)(x), norm(x))
 
 
-@pytest.mark.parametrize("strategy", list(tuned_linear.strategies()))
-def test_every_matmul_strategy_gives_the_forwards_greedy_tokens(strategy):
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not packed_linear.available(), reason="this torch has no oneDNN packed-linear ops"))])
+def test_packed_and_unpacked_weights_give_the_forwards_greedy_tokens(packed):
     model = _model(**SWITCHES[-1])
-    got, want, _, _ = _decode_both(model, [9, 9, 9, 9], steps=20, strategy=strategy)  # no padding: shared positions
+    got, want, _, _ = _decode_both(model, [9, 9, 9, 9], steps=20, packed=packed)  # no padding: shared positions
     assert_close(got, want, **TOLERANCE[torch.float32])
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -167,7 +171,7 @@ def test_what_the_step_does_not_compute_goes_to_the_forward(monkeypatch):
 def test_models_of_another_shape_decode_through_their_forward(overrides):
     model = _model(**overrides)
     assert not decode_step.supports(model)
-    with kernels.decoding(model, rows=2) as step:
+    with kernels.decoding(model) as step:
         assert not isinstance(step, DecodeStep)
         cache = KVCache.for_model(model, 2)
         ids = torch.randint(0, model.config.vocab_size, (2, 3))
@@ -177,8 +181,8 @@ def test_models_of_another_shape_decode_through_their_forward(overrides):
 
 def test_decoding_yields_the_step_and_large_models_keep_the_forward(monkeypatch):
     model = _model()
-    with kernels.decoding(model, rows=1) as step:
+    with kernels.decoding(model) as step:
         assert isinstance(step, DecodeStep)
     monkeypatch.setattr(decode_step, "MAX_FUSED_BYTES", decode_step.fused_bytes(model) - 1)
-    with kernels.decoding(model, rows=1) as step:
+    with kernels.decoding(model) as step:
         assert not isinstance(step, DecodeStep)

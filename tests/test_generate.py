@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from scratchlm.generate.sampling import _Decoder, draw, generate, sample_next, stream, top_k_filter, top_p_filter
 from scratchlm.model import ModelConfig, TransformerLM, kernels
-from scratchlm.model.kernels import tuned_linear
+from scratchlm.model.kernels import packed_linear
 from scratchlm.model.layers import linear
 
 CONTEXT = 32  # the tiny preset's context_length
@@ -65,7 +65,7 @@ def test_cached_logits_equal_full_recompute_at_every_step(request, which, length
     for decoder in (cached, full):
         decoder.tokens[:, cached.prompt_width:] = forced
     forward = kernels.forward_step(model)
-    with torch.inference_mode(), kernels.decoding(model, len(prompts)) as step:  # the step generate() decodes with
+    with torch.inference_mode(), kernels.decoding(model) as step:  # the step generate() decodes with
         for column in range(cached.prompt_width, cached.prompt_width + steps):
             got = cached.logits_before(column, step)
             torch.testing.assert_close(got, full.logits_before(column, forward), rtol=1e-4, atol=1e-4)
@@ -391,22 +391,21 @@ def test_stream_writer_holds_back_partial_utf8_characters():
     assert out.getvalue() == "a🐱é\ufffd\n"
 
 
-def test_batched_decoding_with_each_matmul_strategy_matches_the_readable_model_and_drops_the_copies(model,
-                                                                                                  monkeypatch):
-    """Whichever strategy tuned_linear.py picks on this machine, the greedy tokens are the readable model's."""
+def test_batched_decoding_packed_or_not_matches_the_readable_model_and_drops_the_copies(model, monkeypatch):
+    """With the weights packed for oneDNN (where this torch can) or not, the greedy tokens are the readable
+    model's."""
     prompts = _random_prompts([5, 9, 2, 7])
     steps = stream(model, prompts, 2 * CONTEXT, temperature=0)
     next(steps)
-    assert model.lm_head.matmul is not linear  # few_rows_linear, or a tuned copy over it
+    assert model.lm_head.matmul is not linear  # few_rows_linear, or a packed copy over it
     steps.close()  # a caller that stops early
     assert model.lm_head.matmul is linear  # the model is back on the readable path
-    decoding, real = kernels.decoding, tuned_linear.tuned_weights
+    decoding = kernels.decoding
     monkeypatch.setattr(kernels, "decoding",  # the readable model
-                        lambda m, rows, compile=False: contextlib.nullcontext(kernels.forward_step(m)))
+                        lambda m, compile=False: contextlib.nullcontext(kernels.forward_step(m)))
     want = generate(model, prompts, 2 * CONTEXT, temperature=0)
     monkeypatch.setattr(kernels, "decoding", decoding)
-    for strategy in tuned_linear.strategies():
-        monkeypatch.setattr(kernels, "tuned_weights",
-                            lambda m, rows, s=strategy, **_: real(m, rows, strategy=s))
-        assert generate(model, prompts, 2 * CONTEXT, temperature=0) == want, strategy
-        assert model.lm_head.matmul is linear
+    assert generate(model, prompts, 2 * CONTEXT, temperature=0) == want
+    assert model.lm_head.matmul is linear
+    monkeypatch.setattr(packed_linear, "available", lambda: False)
+    assert generate(model, prompts, 2 * CONTEXT, temperature=0) == want

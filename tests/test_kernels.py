@@ -3,6 +3,7 @@ adversarial inputs (fully masked rows, left padding, a KV cache, T=1, empty batc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -11,13 +12,12 @@ from torch.testing import assert_close
 
 from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.model.attention import causal_attention, rotate_pairs, scaled_dot_product_attention
-from scratchlm.model.kernels import chunked_attention, packed_linear, tuned_linear
+from scratchlm.model.kernels import chunked_attention, cpu, packed_linear
 from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.packed_linear import PackedLinear
-from scratchlm.model.kernels.tuned_linear import ColumnMajorLinear, tuned_weights
+from scratchlm.model.kernels.packed_linear import PackedLinear, packed_weights
 from scratchlm.model.layers import Linear, linear
 
 CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention}
@@ -151,42 +151,45 @@ def test_few_rows_linear_on_another_device_is_x_wt():
     assert few_rows_linear(x, weight).shape == (1, 4)
 
 
-STRATEGY_TYPES = {"column_major": ColumnMajorLinear, "packed": PackedLinear, "packed_native": PackedLinear}
-needs_strategy = {"column_major": [], "packed": [needs_onednn], "packed_native": [needs_onednn]}
-STRATEGIES = [pytest.param(name, marks=needs_strategy[name]) for name in STRATEGY_TYPES]
+needs_native_bf16 = pytest.mark.skipif(not cpu.has_native_bf16(), reason="this CPU (or ATEN_CPU_CAPABILITY / "
+                                       "ONEDNN_MAX_CPU_ISA) has no bf16 arithmetic: bf16 weights are packed as float32")
+PACKINGS = [pytest.param(torch.float32, torch.float32, id="float32"),  # (the weight's dtype, the packed one)
+            pytest.param(torch.bfloat16, torch.float32, id="bf16_as_float32"),
+            pytest.param(torch.bfloat16, torch.bfloat16, id="bf16_native", marks=needs_native_bf16)]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_onednn
+@pytest.mark.parametrize("dtype, compute_dtype", PACKINGS)
 @pytest.mark.parametrize("rows", [(3,), (8,), (2, 5), (4, 1, 16), (1,), (0,)])
 @pytest.mark.parametrize("d_in, d_out", [(24, 40), (40, 24)])
-def test_tuned_linear_equals_x_wt_in_inference(strategy, dtype, rows, d_in, d_out):
-    """Each strategy computes x Wᵀ; bf16 weights copied as float32 round the float32 product once, as a bf16
+def test_packed_linear_equals_x_wt_in_inference(dtype, compute_dtype, rows, d_in, d_out):
+    """A packed weight computes x Wᵀ; bf16 weights packed as float32 round the float32 product once, as a bf16
     matmul does (packed natively, oneDNN's bf16 kernel sums in its own order)."""
     layer, x = Linear(d_in, d_out, dtype=dtype), torch.randn(*rows, d_in).to(dtype)
-    with tuned_weights(layer, rows=8, strategy=strategy), torch.inference_mode():
-        assert isinstance(layer.matmul, STRATEGY_TYPES[strategy])
-        got = layer(x)
+    packed = PackedLinear(layer.weight, linear, compute_dtype=compute_dtype)
+    with torch.inference_mode():
+        got = packed(x, layer.weight)
         assert got.dtype == dtype
         assert_close(got, linear(x, layer.weight), **TOLERANCE[dtype])
-        if dtype == torch.bfloat16 and strategy != "packed_native":  # the float32 product, rounded once
+        if dtype == torch.bfloat16 and compute_dtype == torch.float32:  # the float32 product, rounded once
             assert_close(got, linear(x.float(), layer.weight.float()).to(dtype), rtol=0, atol=0)
+
+
+@needs_onednn
+def test_packed_weights_keep_the_bias():
+    """The bias is added outside `matmul`, so a packed weight (which replaces `matmul`) cannot drop it."""
+    layer, x = Linear(24, 40, bias=True), torch.randn(8, 24)
+    layer.bias.data.normal_()
+    with packed_weights(layer) as count, torch.inference_mode():
+        assert count == 1 and isinstance(layer.matmul, PackedLinear)
+        assert_close(layer(x), linear(x, layer.weight) + layer.bias)
     assert layer.matmul is linear
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tuned_linear_keeps_the_bias(strategy):
-    """The bias is added outside `matmul`, so a strategy (which replaces `matmul`) cannot drop it."""
-    layer, x = Linear(24, 40, bias=True), torch.randn(8, 24)
-    layer.bias.data.normal_()
-    with tuned_weights(layer, rows=8, strategy=strategy), torch.inference_mode():
-        assert isinstance(layer.matmul, STRATEGY_TYPES[strategy])
-        assert_close(layer(x), linear(x, layer.weight) + layer.bias)
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tuned_weight_is_used_only_without_autograd_for_its_dtype_and_while_current(strategy):
-    """No autograd, the weight's dtype, the weight unchanged since the copy; otherwise the fallback, exactly."""
+@needs_onednn
+def test_a_packed_weight_is_used_only_without_autograd_for_its_dtype_and_while_current():
+    """No autograd, the weight's dtype, the weight unchanged since packing, 2 float32 rows or more; otherwise the
+    fallback, exactly."""
     layer = Linear(16, 24)
     fallback_rows = []
 
@@ -195,105 +198,56 @@ def test_tuned_weight_is_used_only_without_autograd_for_its_dtype_and_while_curr
         return linear(x, weight)
 
     layer.matmul = counting_fallback
-    with tuned_weights(layer, rows=8, strategy=strategy):
+    with packed_weights(layer):
         with torch.no_grad():
             for rows in (1, 2, 3):
                 layer(torch.randn(rows, 16))
             layer.matmul(torch.randn(3, 16, dtype=torch.float64), layer.weight.double())  # another dtype
-        assert fallback_rows == [(3,)]
+        assert fallback_rows == [(1,), (3,)]  # one float32 row multiplies unpacked (few_rows_linear)
         x = torch.randn(8, 16, requires_grad=True)
         layer(x).sum().backward()  # training: the fallback, with its gradients
         assert fallback_rows[-1] == (8,) and x.grad is not None
         with torch.no_grad():
-            layer.weight.mul_(2)  # an in-place change makes the copy stale
+            layer.weight.mul_(2)  # an in-place change makes the pack stale
             x = torch.randn(8, 16)
             assert torch.equal(layer(x), linear(x, layer.weight))
-        assert fallback_rows[-1] == (8,) and len(fallback_rows) == 3
+        assert fallback_rows[-1] == (8,) and len(fallback_rows) == 4
     assert layer.matmul is counting_fallback
 
 
-def test_tuning_times_each_strategy_once_remembers_the_fastest_and_nests(monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_the_packing_rule_asks_the_cpu_for_bf16(monkeypatch, native):
+    """float32 weights: packed as float32 from 2 rows; bf16: in bf16 only where the CPU has bf16 arithmetic
+    (an AVX2 CPU cannot even pack them: oneDNN's bf16 reorder needs AVX-512), else as float32; fp16 as float32."""
+    monkeypatch.setattr(cpu, "has_native_bf16", lambda: native)
+    assert packed_linear.packing_for(torch.ones(2, 2)) == (torch.float32, 2)
+    bf16 = torch.bfloat16 if native else torch.float32
+    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.bfloat16)) == (bf16, 1)
+    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.float16)) == (torch.float32, 1)
+
+
+@needs_onednn
+def test_packed_weights_nest_skip_other_dtypes_and_big_models(monkeypatch):
     layer, half, double = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16), Linear(16, 24, dtype=torch.float64)
     model = torch.nn.ModuleList([layer, half, double])
-    monkeypatch.setattr(tuned_linear, "_chosen", {})
-    timed = []
-    speed = {"installed": 3.0, "column_major": 1.0, "packed": 2.0, "packed_native": 2.5}
-
-    def fake_seconds(one_pass):
-        one_pass()  # the strategy is installed while it is timed
-        name = {ColumnMajorLinear: "column_major", PackedLinear: "packed"}.get(type(half.matmul), "installed")
-        if name == "packed" and half.matmul.compute_dtype == torch.bfloat16:
-            name = "packed_native"
-        timed.append(name)
-        return speed[name]
-
-    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", fake_seconds)
-    with tuned_weights(model, rows=8) as chosen:
-        assert chosen == "column_major" and isinstance(layer.matmul, ColumnMajorLinear)
-        assert isinstance(half.matmul, ColumnMajorLinear)  # bf16 too (a float32 copy)
+    with packed_weights(model) as count:
+        assert count == 2 and isinstance(layer.matmul, PackedLinear) and isinstance(half.matmul, PackedLinear)
         assert double.matmul is linear  # a float32 copy would lose precision
         outer = layer.matmul
-        with tuned_weights(model, rows=8):
-            assert layer.matmul is outer  # the inner block leaves the outer block's copies
+        with packed_weights(model) as inner:
+            assert inner == 0 and layer.matmul is outer  # the inner block leaves the outer block's packs
         assert layer.matmul is outer
     assert layer.matmul is linear and half.matmul is linear
-    assert sorted(timed) == sorted(list(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS)  # in every round
-    with tuned_weights(model, rows=8) as chosen:  # remembered: not timed again
-        assert chosen == "column_major" and len(timed) == len(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS
-    with tuned_weights(model, rows=8, also_one_row=True) as chosen:  # one row too: the same winner, no ByRows
-        assert chosen == "column_major" and isinstance(layer.matmul, ColumnMajorLinear)
-    assert len(timed) == len(tuned_linear.strategies()) * tuned_linear.TIMING_ROUNDS * 2
-    monkeypatch.setattr(tuned_linear, "MAX_COPY_BYTES", layer.weight.nbytes)
-    with tuned_weights(model, rows=8) as chosen:  # weights too large to copy
-        assert chosen == "installed" and layer.matmul is linear
-    with pytest.raises(ValueError, match="unknown matmul strategy 'fast'"), tuned_weights(model, 8, strategy="fast"):
-        pass
-
-
-def test_float32_weights_are_not_timed_packed_twice(monkeypatch):
-    """packed_native of float32 weights is "packed": a model without bf16 weights times it once."""
-    model = torch.nn.ModuleList([Linear(16, 24), Linear(24, 16)])
-    monkeypatch.setattr(tuned_linear, "_chosen", {})
-    timed = []
-    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: timed.append(model[0].matmul) or 1.0)
-    with tuned_weights(model, rows=8):
-        pass
-    timed_strategies = len(tuned_linear.strategies()) - ("packed_native" in tuned_linear.strategies())
-    assert len(timed) == timed_strategies * tuned_linear.TIMING_ROUNDS
-
-
-def test_one_row_and_several_each_get_their_fastest_strategy(monkeypatch):
-    """Where one row's winner is not the batch's, each layer multiplies through ByRows, and both products are
-    the readable one; a pass slowed once (load from elsewhere) does not decide, as every strategy is timed in
-    every round."""
-    layer = Linear(16, 24)
-    monkeypatch.setattr(tuned_linear, "_chosen", {})
-    speed = {1: {"installed": 1.0, "column_major": 2.0}, 8: {"installed": 2.0, "column_major": 1.0}}
-    disturbed = []
-
-    def timing_pass(rows):
-        def one_pass():
-            name = "column_major" if isinstance(layer.matmul, ColumnMajorLinear) else "installed"
-            if rows == 8 and name == "column_major" and not disturbed:
-                disturbed.append(name)  # its first round at 8 rows ran beside a busy process
-                return 100.0
-            return speed[rows].get(name, 3.0)
-        return one_pass
-
-    monkeypatch.setattr(tuned_linear, "_seconds_per_pass", lambda one_pass: one_pass())
-    with tuned_weights(layer, rows=8, timing_pass=timing_pass, also_one_row=True) as chosen, torch.inference_mode():
-        assert chosen == "installed (1 row), column_major (8 rows)" and disturbed
-        assert isinstance(layer.matmul, tuned_linear.ByRows)
-        assert isinstance(layer.matmul.more_rows, ColumnMajorLinear) and layer.matmul.one_row is linear
-        for shape in ((1, 16), (1, 1, 16), (8, 16), (1, 5, 16)):  # one row; one row of a batch; 8; a prefill
-            x = torch.randn(shape)
-            assert torch.equal(layer(x), linear(x, layer.weight))
-    assert layer.matmul is linear
+    monkeypatch.setattr(packed_linear, "MAX_PACKED_BYTES", layer.weight.nbytes)
+    with packed_weights(model) as count:  # weights too large to copy
+        assert count == 0 and layer.matmul is linear
 
 
 def test_without_onednn_nothing_is_packed(monkeypatch):
     monkeypatch.setattr(packed_linear, "available", lambda: False)
-    assert "packed" not in tuned_linear.strategies() and "packed_native" not in tuned_linear.strategies()
+    layer = Linear(16, 24)
+    with packed_weights(layer) as count:
+        assert count == 0 and layer.matmul is linear
 
 
 # ---- the whole model -------------------------------------------------------------------------------------------
@@ -331,17 +285,17 @@ def test_model_with_kernels_equals_readable_model_logits_and_parameter_gradients
         assert_close(got.grad, want.grad, **tolerance, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["installed", *STRATEGIES])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("overrides", [{}, MQA_BIAS_HEAD_DIM, GQA_LLAMA3])
-def test_model_with_kernels_decodes_like_the_readable_model(strategy, fused, overrides):
+def test_model_with_kernels_decodes_like_the_readable_model(packed, fused, overrides):
     readable, fast = _pair(fused=fused, **overrides)
     ids = torch.randint(0, readable.config.vocab_size, (4, 12))
     mask = _left_padding(4, 5, [0, 1, 3, 4])
     logits = []
     for model in (readable, fast):
         cache = KVCache.for_model(model, batch_size=4)
-        with torch.inference_mode(), tuned_weights(model, rows=4, strategy=strategy):
+        with torch.inference_mode(), (packed_weights(model) if packed else contextlib.nullcontext()):
             steps = [model(ids[:, :5], attention_mask=mask, kv_cache=cache)]
             steps += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(5, 12)]
         logits.append(torch.cat(steps, dim=1))
@@ -363,11 +317,11 @@ def test_apply_and_readable_switch_every_module_and_keep_the_state_dict():
 
 def test_decoding_switches_kernels_on_for_its_block_and_keeps_the_callers_choice():
     readable, fused = _pair(fused=True)
-    with kernels.decoding(readable, rows=1):
+    with kernels.decoding(readable):
         assert readable.layers[0].attn.attention_core is chunked_causal_attention
-        matmul = readable.lm_head.matmul  # few_rows_linear, or a tuned copy over it (tuned_linear.py)
+        matmul = readable.lm_head.matmul  # few_rows_linear, or a packed copy over it (packed_linear.py)
         assert matmul is few_rows_linear or matmul.fallback is few_rows_linear
     assert readable.layers[0].attn.attention_core is causal_attention and readable.lm_head.matmul is linear
-    with kernels.decoding(fused, rows=1):
+    with kernels.decoding(fused):
         assert fused.layers[0].attn.attention_core is fused_causal_attention
     assert fused.layers[0].attn.attention_core is fused_causal_attention

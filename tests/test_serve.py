@@ -323,6 +323,25 @@ def test_a_full_queue_gets_429_with_retry_after_and_a_late_request_504():
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}).status_code == 429
 
 
+def test_an_engine_that_fails_while_serving_makes_health_and_every_request_503(model, monkeypatch):
+    """A server whose engine thread ended on an error says so: /health is 503 with the reason, and so is every
+    completion, rather than a healthy server whose requests hang."""
+    with serving(model) as (url, engine):
+        def broken(*args, **kwargs):
+            raise MemoryError("the engine ran out of memory")
+
+        monkeypatch.setattr(engine, "_fail_all", broken)  # the engine's own recovery fails: the thread ends
+        engine.request_stop()
+        engine._thread.join(10)
+        engine._stopping = False  # not a shutdown: a failure
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "MemoryError: the engine ran out of memory" in health.json()["error"]
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "a"})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_failed"
+        assert "the decoding engine failed: MemoryError" in response.json()["error"]["message"]
+
+
 def test_the_api_key_is_required_and_compared_exactly():
     with serving(api_key="s3cret-key") as (url, _):
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret-key", max_retries=0)

@@ -4,7 +4,6 @@ row operations keep each row's keys, padding and positions; stop strings and UTF
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import time
@@ -15,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scratchlm.generate.sampling import generate, sample_next
-from scratchlm.model import KVCache, kernels
+from scratchlm.model import KVCache
 from scratchlm.serve import batch_cache
 from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, Sampling, Sequence, Token, _Row
 from scratchlm.serve.text import TextStream
@@ -286,25 +285,21 @@ def test_a_compiling_engine_gives_a_sequence_alone_what_generate_compile_gives_i
     assert all(c.end.reason in ("length", "stop") and c.end.completion_tokens == len(c.tokens) for c in pair)
 
 
-def test_start_returns_once_the_engine_has_chosen_its_matmuls_for_one_row_and_a_batch(model, monkeypatch):
-    """The server starts its HTTP side after start(): the timing of the matmul strategies runs alone."""
+def test_an_engine_that_cannot_decode_fails_its_start_and_every_request_with_the_reason(model, monkeypatch):
+    """A server whose engine died must not look healthy: start() raises the reason (`serve` exits with it), and
+    the engine refuses what is submitted after."""
     from scratchlm.serve import engine as engine_module
 
-    asked = []
+    def broken_decoding(m, compile=False):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
-    @contextlib.contextmanager
-    def slow_decoding(m, rows, compile=False, varying_rows=False):
-        asked.append((rows, varying_rows))
-        time.sleep(0.3)  # the timing
-        yield kernels.forward_step(m)
-
-    monkeypatch.setattr(engine_module.kernels, "decoding", slow_decoding)
+    monkeypatch.setattr(engine_module.kernels, "decoding", broken_decoding)
     engine = Engine(model, byte_tokenizer(), eos_id=EOS, max_batch=4)
     try:
-        started = time.monotonic()
-        engine.start()
-        assert time.monotonic() - started >= 0.3 and asked == [(4, True)]
-        collector = _submit(engine, [1, 2, 3], Sampling(max_tokens=3, temperature=0))
-        assert collector.done.wait(30) and isinstance(collector.end, Finished)
+        with pytest.raises(RuntimeError, match="the decoding engine failed: RuntimeError: mkldnn_reorder"):
+            engine.start()
+        assert engine.failed and "avx512bw" in engine.failure
+        with pytest.raises(RuntimeError, match="the decoding engine failed"):
+            _submit(engine, [1, 2, 3], Sampling(max_tokens=3, temperature=0))
     finally:
         engine.close()

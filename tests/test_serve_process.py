@@ -17,7 +17,8 @@ import torch
 
 from scratchlm.cli import main
 from scratchlm.compat.commands import write_run
-from scratchlm.model import ModelConfig, TransformerLM
+from scratchlm.model import ModelConfig, TransformerLM, kernels
+from scratchlm.tokenizer import Tokenizer
 from serve_helpers import byte_tokenizer, free_port, httpx
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -30,6 +31,17 @@ def run_dir(tmp_path_factory):
     model = TransformerLM(ModelConfig.preset("tiny", vocab_size=257, context_length=4096)).eval()
     run = tmp_path_factory.mktemp("serve") / "demo"
     write_run(model, byte_tokenizer(), run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def endless_run_dir(tmp_path_factory):
+    """A run whose tokenizer has no end-of-text token: its streams end only at max_tokens, so a stream is still
+    running when the test signals the server, however the sampled tokens fall."""
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=256, context_length=4096)).eval()
+    run = tmp_path_factory.mktemp("serve") / "endless"
+    write_run(model, Tokenizer({i: bytes([i]) for i in range(256)}, [], []), run)
     return run
 
 
@@ -54,10 +66,10 @@ def _wait_for(process: subprocess.Popen, url: str, timeout: float = 120) -> None
     raise AssertionError("the server did not come up")
 
 
-def test_sigterm_ends_streams_with_an_error_event_and_exits_0_and_the_key_is_never_logged(run_dir):
+def test_sigterm_ends_streams_with_an_error_event_and_exits_0_and_the_key_is_never_logged(endless_run_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = _start(run_dir, port, "--max-tokens", "4000")
+    process = _start(endless_run_dir, port, "--max-tokens", "4000")
     try:
         _wait_for(process, url)
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -109,3 +121,16 @@ def test_bad_limits_are_one_line(run_dir, capsys, argv, message):
     assert main(["serve", str(run_dir), *argv]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_server_whose_engine_cannot_decode_exits_1_with_the_reason(run_dir, capsys, monkeypatch):
+    """Not a healthy-looking server that never answers: one line naming why, and exit 1, before HTTP starts."""
+    def broken_decoding(model, compile=False):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(kernels, "decoding", broken_decoding)
+    assert main(["serve", str(run_dir), "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith(f"scratchlm serve: error: cannot serve {run_dir}: the decoding engine failed: "
+                             f"RuntimeError: mkldnn_reorder_linear_weight")

@@ -32,7 +32,7 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16", "fp16")
-TRAIN_DTYPES = (*DTYPES, "auto")  # auto: fp32 or bf16, whichever the run measures faster (train/precision.py)
+TRAIN_DTYPES = (*DTYPES, "auto")  # auto: bf16 where the device has bf16 arithmetic, else fp32 (train/precision.py)
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DTYPES -> torch attribute names
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -209,6 +209,12 @@ class RunConfig:
         values = self.to_dict()
         apply_overrides(values, overrides)
         return _built(values, source)
+
+    def with_values(self, **sections: dict[str, Any]) -> RunConfig:
+        """A copy with fields replaced section by section, ``config.with_values(train={"dtype": "bf16"})``: how
+        library code changes a config (each section, then the whole, validated again as when loaded)."""
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **fields)
+                                            for name, fields in sections.items()})
 
     def save_toml(self, path: str | Path) -> None:
         """Write this config as a run's config.toml: ``run_relative`` to the file's folder, the run directory."""

@@ -20,11 +20,10 @@ Design:
   `context_length // 4` tokens. A prompt longer than the context is cut the same way (its last `keep` tokens).
   The uncached loop (`use_cache=False`, the benchmark's baseline and the tests' oracle) recomputes exactly the
   same windows, so cached and uncached greedy decoding agree even beyond the context.
-- Speed: decoding runs under `kernels.decoding(model, rows)` (model/kernels/): the model's fastest paths for its
-  device, and on CPU the way of multiplying the batch's rows by the weights that was timed fastest on this
-  machine (model/kernels/tuned_linear.py: as installed, a column-major copy, or oneDNN-packed copies; bf16 weights
-  through float32 copies where that wins). They are switched on when decoding starts and off when it ends (or when the
-  caller drops the stream); kernels the caller applied to the model stay.
+- Speed: decoding runs under `kernels.decoding(model)` (model/kernels/): the model's fastest paths for its
+  device, and on CPU its weights packed for oneDNN (model/kernels/packed_linear.py; bf16 weights packed in bf16
+  only where the CPU has bf16 instructions). They are switched on when decoding starts and off when it ends (or
+  when the caller drops the stream); kernels the caller applied to the model stay.
 - Each row stops at `eos_id` (not included in its output) or after `max_new_tokens`; the loop ends when every
   row has stopped. `seed` makes sampling reproducible through a private `torch.Generator`.
 """
@@ -165,7 +164,7 @@ def _decode(decoder: _Decoder, max_new_tokens: int, eos_id: int | None, sampling
     rows = decoder.tokens.shape[0]
     finished = [False] * rows
     # until the last step, or until the caller drops it
-    with kernels.decoding(decoder.model, rows, compile=compile) as forward:
+    with kernels.decoding(decoder.model, compile=compile) as forward:
         for column in range(decoder.prompt_width, decoder.prompt_width + max_new_tokens):
             step: list[int | None] = decoder.next_tokens(column, sampling, forward).tolist()
             for row, token in enumerate(step):

@@ -80,9 +80,10 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = "stopping" if engine.stopping else "ok"
-        return JSONResponse({"status": status, "model": model_name, **engine.stats()},
-                            status_code=503 if engine.stopping else 200)
+        status = "failed" if engine.failed else "stopping" if engine.stopping else "ok"
+        failure = {"error": engine.failure} if engine.failed else {}
+        return JSONResponse({"status": status, "model": model_name, **failure, **engine.stats()},
+                            status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -92,8 +93,7 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        if engine.stopping:
-            raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        unavailable(engine)
         body = await _read_body(request, limits)
         parsed = protocol.parse_completion(body, model_name=model_name, limits=limits)
         run = _Completion(parsed, [_prompt_ids(prompt, tokenizer, eos_id) for prompt in parsed.prompts])
@@ -110,8 +110,9 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
         except QueueFull as error:
             raise APIError(429, f"the server is busy ({error}): retry later", kind="server_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except RuntimeError:
-            raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+        except RuntimeError:  # the engine stopped or failed since the check above
+            unavailable(engine)
+            raise
         deadline = loop.time() + limits.request_timeout
         if parsed.stream:
             return StreamingResponse(_stream(run, deadline, request, tokenizer, model_name),
@@ -120,6 +121,14 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
         return await _collect(run, deadline, request, tokenizer, model_name)
 
     return app
+
+
+def unavailable(engine: Engine) -> None:
+    """A 503 once the engine takes no more requests: it failed (saying why), or the server is shutting down."""
+    if engine.failed:
+        raise APIError(503, engine.failure, kind="server_error", code="engine_failed")
+    if engine.stopping:
+        raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
 
 
 class _Delivery:

@@ -126,10 +126,13 @@ def run_serve(args: argparse.Namespace) -> int:
                     compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
     app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)
+    try:
+        engine.start()
+    except RuntimeError as error:
+        raise UserError(f"cannot serve {args.checkpoint}: {error}") from None
     print(f"scratchlm serve: {model_name} ({model.num_parameters():,} parameters, context "
           f"{model.config.context_length}) on http://{args.host}:{args.port} - playground at /, API at /v1"
           f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
-    engine.start()
     try:
         serve(app, engine, args.host, args.port, log_level=args.log_level)
     finally:

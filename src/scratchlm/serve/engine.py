@@ -133,6 +133,7 @@ class Engine:
         self._prefill_cache = KVCache.for_model(model, 1, zeroed=False)  # reset for each joining sequence
         self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread ended on an error: it decodes nothing more
         self._ready = threading.Event()  # set by the engine thread once it can decode (or has failed to)
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
         self.sampled = 0  # tokens sampled, over all sequences
@@ -141,11 +142,12 @@ class Engine:
     # ------------------------------------------------------------------ the caller's side (any thread)
 
     def start(self) -> Engine:
-        """Start the engine thread; returns once it is ready to decode: its matmuls chosen by timing them (and its
-        step compiled, with compile=True). The caller starts serving after that, as the HTTP side starting beside
-        the timing would slow some strategies' passes and the choice with them (tuned_linear.py)."""
+        """Start the engine thread; returns once it is ready to decode (its step compiled, with compile=True), so
+        that the first request does not wait for that. A RuntimeError with the reason if it failed to start."""
         self._thread.start()
         self._ready.wait()
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         return self
 
     def submit(self, sequences: list[Sequence]) -> None:
@@ -153,8 +155,8 @@ class Engine:
         for sequence in sequences:
             self.check(sequence.prompt_ids, sequence.sampling.max_tokens)
         with self._wakeup:
-            if self._stopping:
-                raise RuntimeError("the engine is stopping")
+            if self._stopping or self.failure is not None:
+                raise RuntimeError(self.failure or "the engine is stopping")
             if any(waiting.cancelled for waiting in self._waiting):  # their clients left: they hold no place
                 self._waiting = collections.deque(waiting for waiting in self._waiting if not waiting.cancelled)
             if len(self._waiting) + len(sequences) > self.max_queue:
@@ -182,6 +184,11 @@ class Engine:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def failed(self) -> bool:
+        """Whether the engine thread ended on an error (`failure` says which): nothing will be decoded."""
+        return self.failure is not None
+
     def close(self, timeout: float = 30.0) -> None:
         self.request_stop()
         with self._wakeup:
@@ -197,11 +204,8 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
-        # The decoding matmuls are chosen once for the server's life, timed at max_batch rows, the batch size a
-        # loaded server runs at, and at one row, a lone request's (tuned_linear.py).
-        decoding = kernels.decoding(self.model, self.max_batch, compile=self.compile, varying_rows=True)
         try:
-            with torch.inference_mode(), decoding as forward:
+            with torch.inference_mode(), kernels.decoding(self.model, compile=self.compile) as forward:
                 self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
                 if self.compile and compiled_step.supports(self.model):
                     try:
@@ -210,6 +214,12 @@ class Engine:
                         log.exception("compiling the decoding step failed")
                 self._ready.set()
                 self._decode_until_stopped()
+        except Exception as error:  # setting up the decoding failed: nothing can be decoded (a failing step is
+            # caught in _decode_until_stopped: its requests fail, and the server goes on)
+            self.failure = f"the decoding engine failed: {type(error).__name__}: {error}"
+            if self._ready.is_set():  # while serving: the log says it (before, start() raises it)
+                log.error(self.failure)
+            self._fail_all(self.failure, kind="shutdown")
         finally:
             self._ready.set()  # whatever happened: start() must not wait forever
 

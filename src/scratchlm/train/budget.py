@@ -148,9 +148,9 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1) -> tupl
     warmup = min(config.optim.warmup_iters, steps // 10)
     if config.optim.schedule == "wsd":
         warmup = min(warmup, steps - round(config.optim.decay_fraction * steps))
-    planned = config.with_overrides([
-        f"train.max_steps={steps}", f"train.eval_every={every}", f"train.checkpoint_every={every}",
-        f"train.log_every={max(1, steps // 50)}", f"optim.warmup_iters={warmup}"])
+    planned = config.with_values(
+        train={"max_steps": steps, "eval_every": every, "checkpoint_every": every, "log_every": max(1, steps // 50)},
+        optim={"warmup_iters": warmup})
     return planned, BudgetPlan(budget, step_seconds, threads, steps, eval_steps)
 
 
@@ -241,9 +241,8 @@ class LivePlan:
 
     def applied(self, config: RunConfig) -> RunConfig:
         """``config`` with this plan's max_steps and evaluation/checkpoint cadence."""
-        return config.with_overrides([
-            f"train.max_steps={self.max_steps}", f"train.eval_every={self.eval_every}",
-            f"train.checkpoint_every={self.eval_every}", f"train.eval_batches={self.eval_batches}"])
+        return config.with_values(train={"max_steps": self.max_steps, "eval_every": self.eval_every,
+                                         "checkpoint_every": self.eval_every, "eval_batches": self.eval_batches})
 
     def replanned(self) -> Replanned | None:
         """The learning-rate schedule's decay under this plan (None: the schedule follows config as planned)."""

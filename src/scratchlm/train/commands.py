@@ -165,7 +165,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from scratchlm.train.allocator import keep_freed_memory
     from scratchlm.train.budget import PLANNED_SHARE, choose_threads, parse_duration
     from scratchlm.train.precision import choose_dtype
-    from scratchlm.train.setup import check_data
+    from scratchlm.train.setup import check_data, select_device
     from scratchlm.train.trainer import model_step_flops
 
     if args.top < 1:
@@ -180,9 +180,9 @@ def run_plan(args: argparse.Namespace) -> int:
     train_tokens, _ = check_data(config, data, None, None)  # as train checks them (the ids, one window)
     keep_freed_memory()  # as `train` does on a CPU (allocator.py), so the probe measures the speed train gets
     if config.train.dtype == "auto":  # as `train` resolves it (precision.py): the speed it will train at
-        dtype, measured = choose_dtype(config, train_tokens)
-        config = config.with_overrides([f"train.dtype={dtype}"])
-        print(measured)
+        dtype, why = choose_dtype(select_device(config.train.device))
+        config = config.with_values(train={"dtype": dtype})
+        print(why)
     threads, step_seconds = choose_threads(config, train_tokens)
     model = config.model
     step_flops = model_step_flops(config)
@@ -241,8 +241,8 @@ def run_eval(args: argparse.Namespace) -> int:
     bits = ""
     with torch.inference_mode():
         if tokenizer is None:
-            config = config.with_overrides([f"data.batch_size={args.batch_size}", "train.grad_accum_steps=1",
-                                            "train.dtype=fp32"])
+            config = config.with_values(data={"batch_size": args.batch_size},
+                                        train={"grad_accum_steps": 1, "dtype": "fp32"})
             loss = evaluate(model, tokens, config, device, max_batches=args.batches)
         else:  # the same windows as evaluate's (validation_batches), so the loss is the same number
             windows = (len(tokens) - 1) // context

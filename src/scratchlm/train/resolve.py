@@ -11,7 +11,7 @@ it first, and handed on rather than read again:
    records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
    the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
    data.tokenizer_hash is recorded;
-4. train.dtype = auto, measured on those train tokens (precision.py), and the budget plan (budget.py), its probe
+4. train.dtype = auto, from what the device can do (precision.py), and the budget plan (budget.py), its probe
    steps trained on them too; under torch.distributed every rank trains rank 0's choice and plan, so all stop at
    the same step. A resumed run keeps the dtype and the plan it was started with.
 """
@@ -77,7 +77,7 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
         check_memory_fits(config, device, world_size)
     train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
     config = bind_tokenizer(config, tokenizer, train_file, val_file)
-    config = _precision(config, saved, train_tokens, quiet)
+    config = _precision(config, saved, device, quiet)
     config = _planned(config, saved, train_tokens, quiet)
     return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
 
@@ -117,26 +117,28 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
                 f"for a budget of {saved.train.budget_seconds} s"
             raise ValueError(f"cannot resume {Path(config.train.run_dir)}: it was planned {was}, this asks for "
                              f"{config.train.budget_seconds} s (a budget cannot change mid-run)")
-        planned = [f"{section}.{key}={getattr(getattr(saved, section), key)}" for section, key in PLANNED_FIELDS]
-        return config.with_overrides(planned)
+        planned: dict[str, dict[str, Any]] = {}
+        for section, key in PLANNED_FIELDS:
+            planned.setdefault(section, {})[key] = getattr(getattr(saved, section), key)
+        return config.with_values(**planned)
     config, plan = plan_budget(config, train_tokens)
-    config = _rank_zeros(config.with_overrides([f"train.threads={plan.threads}"]))
+    config = _rank_zeros(config.with_values(train={"threads": plan.threads}))
     if not quiet:
         print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
     return config
 
 
-def _precision(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool) -> RunConfig:
-    """The config with train.dtype = auto resolved: measured now on ``train_tokens`` (precision.py), or on resume
+def _precision(config: RunConfig, saved: RunConfig | None, device: torch.device, quiet: bool) -> RunConfig:
+    """The config with train.dtype = auto resolved: from what ``device`` can do (precision.py), or on resume
     (``saved``) the dtype the run took."""
     if config.train.dtype != "auto":
         return config
     if saved is not None and saved.train.dtype != "auto":
-        return config.with_overrides([f"train.dtype={saved.train.dtype}"])
-    dtype, measured = choose_dtype(config, train_tokens)
+        return config.with_values(train={"dtype": saved.train.dtype})
+    dtype, why = choose_dtype(device)
     if not quiet:
-        print(f"scratchlm train: {measured}", file=sys.stderr, flush=True)
-    return _rank_zeros(config.with_overrides([f"train.dtype={dtype}"]))
+        print(f"scratchlm train: {why}", file=sys.stderr, flush=True)
+    return _rank_zeros(config.with_values(train={"dtype": dtype}))
 
 
 def _rank_zeros(config: RunConfig) -> RunConfig:

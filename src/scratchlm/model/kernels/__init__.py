@@ -10,16 +10,17 @@ readable path (values and gradients) in tests/test_kernels.py:
 | fused_attention   | `MultiHeadSelfAttention.attention_core`          | CUDA (torch's fused SDPA); opt-in on CPU  |
 | complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
-| packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN, a few rows (by timing)   |
-| tuned_linear      | `Linear.matmul`, within `decoding`               | CPU: times the strategies, keeps the best |
+| packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN (bf16 packs: bf16 ISA)    |
 | decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
 | compiled_step     | decode_step's one-token steps, opt-in           | CPU, bf16 (inductor fuses the small ops)  |
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
-the generator (generate/sampling.py decodes under `decoding(model, rows)`), and the benchmarks. A kernel checks
+the generator (generate/sampling.py decodes under `decoding(model)`), and the benchmarks. A kernel checks
 its own conditions on every call and otherwise computes the readable way, so a model moved to another device,
-another dtype, or a torch without oneDNN's private ops still computes the same thing. `readable(model)` puts
-every module back on the readable path (e.g. to step through it in a debugger).
+another dtype, or a torch without oneDNN's private ops still computes the same thing. A kernel that needs an
+instruction-set feature asks cpu.py first (which honours ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA), and
+without it the plain path runs. `readable(model)` puts every module back on the readable path (e.g. to step
+through it in a debugger).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.tuned_linear import tuned_weights
+from scratchlm.model.kernels.packed_linear import packed_weights
 from scratchlm.model.layers import Linear, linear
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
@@ -78,31 +79,27 @@ Step = Callable[..., torch.Tensor]  # (ids (B, T), kv_cache, attention_mask=None
 
 
 @contextmanager
-def decoding(model: nn.Module, rows: int, compile: bool = False, varying_rows: bool = False) -> Iterator[Step]:
-    """What generate() and the server decode `rows` sequences under (`varying_rows`: as few as one at times);
-    yields the step to call instead of `model(ids, kv_cache=cache, attention_mask=mask, last_only=True)`:
-    decode_step.py's fused step where the model has its shape (else the forward itself). Inside, `apply`'s
-    choices for the model's device on each module still on the readable path (kernels the caller applied stay),
-    then on CPU the fastest way to multiply `rows` rows (and with `varying_rows` one row, where its fastest
-    differs) by the step's weights, timed on this machine (tuned_linear.py: as installed, a column-major copy,
-    or oneDNN-packed weights, in float32 or their own dtype). With `compile`, a bf16 model's one-token steps run
-    compiled (compiled_step.py; other models and the other calls decode as without). Every module gets its
-    previous implementation back on exit."""
+def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
+    """What generate() and the server decode under; yields the step to call instead of `model(ids,
+    kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model has its
+    shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still on
+    the readable path (kernels the caller applied stay), then on CPU the step's weights packed for oneDNN
+    (packed_linear.py). With `compile`, a bf16 model's one-token steps run compiled (compiled_step.py; other
+    models and the other calls decode as without). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     chosen = choices(_device_of(model))
     _install(model, chosen, only_readable=True)
     step = forward_step(model)
-    tuned: nn.Module = model
-    timing_pass = None
+    packed: nn.Module = model
     if decode_step.supports(model) and decode_step.fused_bytes(model) <= decode_step.MAX_FUSED_BYTES:
         step = fused = decode_step.DecodeStep(model)
         _install(fused.linears, chosen, only_readable=True)
-        tuned, timing_pass = fused.linears, fused.timing_pass
+        packed = fused.linears
         if compile and compiled_step.supports(model):
             step = _with_compiled(compiled_step.compiled_for(model), fused)
     try:
-        with tuned_weights(tuned, rows, timing_pass=timing_pass, also_one_row=varying_rows):
+        with packed_weights(packed):
             yield step
     finally:
         for module, attribute, implementation in saved:

@@ -8,8 +8,8 @@ docs/benchmarks.md). `DecodeStep(model)` computes what `model(ids (B, T), kv_cac
 computes for a pre-norm RMSNorm model, with:
 - q, k and v as one product against their concatenated weights, and SwiGLU's W1 and W3 as one: half the calls,
   and larger products, which oneDNN and BLAS run nearer memory speed;
-- the B·T new tokens as the rows of every product, through the same timed matmuls (tuned_linear.py) as a step:
-  a prompt's prefill too (16 tokens of tinystories-17m at batch 1: 9.5 -> 7.7 ms fp32, 6.7 -> 3.9 ms bf16);
+- the B·T new tokens as the rows of every product, through the same packed matmuls (packed_linear.py) as a
+  step: a prompt's prefill too (16 tokens of tinystories-17m at batch 1: 9.5 -> 7.7 ms fp32, 6.7 -> 3.9 ms bf16);
 - RoPE on q and k together (adjacent in that product's output) as one complex multiply by each token's position
   (complex_rope.py's rotation);
 - every RMSNorm as torch's fused rms_norm (aten), bit for bit the readable norm, in one op instead of six;
@@ -37,7 +37,6 @@ from scratchlm.model.transformer import ReLU2FFN, SiLUFFN, SwiGLU, TransformerLM
 # The concatenated copies cost their weights' bytes once more: above this (models of gpt2-medium size and up,
 # where the dispatch overhead is a small share of a step anyway) the model's forward decodes instead.
 MAX_FUSED_BYTES = 2**30
-TIMING_CONTEXT = 16  # the positions of the scratch cache the matmul strategies are timed on
 
 
 def supports(model: nn.Module) -> bool:
@@ -80,7 +79,7 @@ class DecodeStep:
     """`model(ids, kv_cache=cache, attention_mask=mask, last_only=True)` -> (B, 1, V), through the fused step
     where it applies (a cache, no mask, no autograd; one new token a row, or several on a cache without padding),
     through the model's forward otherwise.
-    `linears` are the Linear layers the step multiplies by, for tuned_linear.tuned_weights to tune."""
+    `linears` are the Linear layers the step multiplies by, for packed_linear.packed_weights to pack."""
 
     def __init__(self, model: TransformerLM):
         self.model = model
@@ -105,18 +104,6 @@ class DecodeStep:
         if not self._applies(ids, kv_cache, attention_mask):
             return self.model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
         return self._step(ids, kv_cache)[:, None]
-
-    def timing_pass(self, rows: int) -> Callable[[], None]:
-        """One step of `rows` rows on a scratch cache: what tuned_linear times each matmul strategy by."""
-        cache = KVCache.for_model(self.model, rows, min(TIMING_CONTEXT, self.model.config.context_length))
-        ids = torch.zeros(rows, dtype=torch.long, device=cache.key_padding.device)
-
-        def one_step() -> None:
-            if cache.length == cache.max_seq_len:
-                cache.reset()
-            self._step(ids[:, None], cache)
-
-        return one_step
 
     def _applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
         # Several new tokens (a prefill) only without padding: a padded row's positions are its own count.

@@ -1,25 +1,40 @@
-"""x Wᵀ on CPU through oneDNN with W packed once: the matmuls of batched decoding.
+"""x Wᵀ on CPU through oneDNN with W packed once: the matmuls of decoding.
 
-Wins on: CPUs with oneDNN (torch's x86 builds), for inputs of a few rows without autograd, i.e. a decoding
-step of a batch (one row per sequence through every weight matrix). MKL runs such few-row products far below
-the cores' peak, while oneDNN's JIT kernels, given the weight reordered once into their blocked layout, ran
-them faster from 3 rows up on the CPUs timed (1 or 2 rows were faster unpacked). Figures: docs/benchmarks.md
-(bench_generate). Whether it wins is decided by timing (tuned_linear.py `tuned_weights`, which packs only up
-to its `MAX_COPY_BYTES` of weights, as the reorder copies each weight, and drops the packs on exit).
+Wins on: CPUs with oneDNN (torch's x86 builds), for decoding steps (a few rows, no autograd). MKL runs such
+few-row products far below the cores' peak, while oneDNN's JIT kernels, given each weight reordered once into
+their blocked layout, run them near memory speed. The rule below is the one measured end to end (bench_generate,
+tinystories-17m, on AVX2 and AVX-512; figures in docs/benchmarks.md), fixed rather than timed at start-up, so
+the same machine always decodes the same way:
+- float32 weights are packed for steps of 2 rows and more (1.3-1.7x the tokens/s of unpacked at 8 rows); a
+  single row multiplies unpacked (few_rows_linear.py), as fast or faster;
+- bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`: half the bytes
+  to stream), else as float32 copies with the inputs upcast and the product rounded back once: what a bf16
+  matmul computes (float32 sums, one rounding), without emulating bf16 arithmetic. fp16 weights as float32.
 
 The ops are private ones, the ones torch.compile's CPU backend emits (`torch.ops.mkldnn._reorder_linear_weight`,
-`_linear_pointwise`): they are called from `available`, `PackedLinear` only. Where this torch lacks them or they
-fail on this CPU, `available()` is False and nothing is packed. Inference only: the packed op has no backward.
+`_linear_pointwise`): they are called from `available` and `PackedLinear` only. Where this torch lacks them or
+they fail on this CPU, `available()` is False and nothing is packed. Inference only: the packed op has no
+backward, so with autograd on (or once the weight changed in place) the layer's own matmul runs.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 
+from scratchlm.model.kernels import cpu
+from scratchlm.model.layers import Linear
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _TUNED_BATCH = 8  # the batch size the packed layout is tuned for
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The packs copy the weights: a model whose copies would pass this size (gpt2-medium and up) decodes unpacked
+# rather than double its memory for the length of a generate() call.
+MAX_PACKED_BYTES = 2**30
 
 
 @functools.cache
@@ -35,36 +50,51 @@ def available() -> bool:
 
 
 class PackedLinear:
-    """A Linear's `matmul` with the weight packed: the packed product for (one or more) rows of the weight's
-    dtype without autograd while the weight is unchanged since packing (an in-place update bumps its version);
-    otherwise `fallback`, the matmul it stands in for.
+    """A Linear's `matmul` with the weight packed in `compute_dtype` (its own, or float32): the packed product for
+    `min_rows` rows or more of the weight's dtype, without autograd, while the weight is unchanged since packing
+    (an in-place update bumps its version); otherwise `fallback`, the matmul it stands in for."""
 
-    A bf16 (or fp16) weight is packed as its float32 copy and its inputs are upcast, the product rounded back to
-    their dtype: the same product as a bf16 matmul (which accumulates in float32 and rounds once), and on CPUs
-    without bf16 matrix instructions (AVX512-BF16, AMX) several times faster for a few rows than torch's bf16
-    kernels, which then emulate bf16. With `native=True` it is packed in its own dtype instead: on CPUs that
-    have those instructions, oneDNN's bf16 kernels stream half the bytes (a tinystories-17m step's products in
-    1.9 ms against 4.3 ms float32-packed and 3.7 ms unpacked bf16, at batch 1 on an AVX512-BF16 Xeon).
-    tuned_linear.py decides by timing which wins. float32 weights only otherwise: a float64 one would lose
-    precision."""
-
-    def __init__(self, weight: torch.Tensor, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                 native: bool = False):
+    def __init__(self, weight: torch.Tensor, fallback: Matmul, *, compute_dtype: torch.dtype, min_rows: int = 1):
         self.version, self.dtype = weight._version, weight.dtype
-        self.compute_dtype = weight.dtype if native else torch.float32
-        packed = weight.detach().to(self.compute_dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(packed, _TUNED_BATCH)  # opaque layout
+        self.compute_dtype, self.min_rows = compute_dtype, min_rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype), _TUNED_BATCH)
         self.fallback = fallback
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // weight.shape[1]
-        if (rows and x.dtype == self.dtype and not torch.is_grad_enabled()
+        if (rows >= self.min_rows and x.dtype == self.dtype and not torch.is_grad_enabled()
                 and weight._version == self.version):
             product = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, None, "none", [], "")
             return product.to(x.dtype)
         return self.fallback(x, weight)
 
 
-def native_packed(weight: torch.Tensor, fallback: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PackedLinear:
-    """A PackedLinear of `weight` in its own dtype (see PackedLinear's `native`)."""
-    return PackedLinear(weight, fallback, native=True)
+def packing_for(weight: torch.Tensor) -> tuple[torch.dtype, int]:
+    """(the dtype to pack `weight` in, the fewest rows that take the packed product), by the rule above."""
+    if weight.dtype == torch.float32:
+        return torch.float32, 2
+    native = weight.dtype == torch.bfloat16 and cpu.has_native_bf16()
+    return (weight.dtype if native else torch.float32), 1
+
+
+@contextmanager
+def packed_weights(model: nn.Module) -> Iterator[int]:
+    """Within the block, the CPU Linear layers of `model` multiply through packed copies of their weights (by the
+    rule above); yields how many were packed (0 where oneDNN's ops are missing or the copies would pass
+    MAX_PACKED_BYTES). Each layer's previous matmul comes back on exit, and the copies are dropped."""
+    layers = [layer for layer in model.modules()
+              if isinstance(layer, Linear) and not isinstance(layer.matmul, PackedLinear)
+              and layer.weight.device.type == "cpu" and layer.weight.dtype in PACKED_DTYPES]
+    copy_bytes = sum(layer.weight.numel() * 4 for layer in layers)  # float32 copies at most
+    if not layers or copy_bytes > MAX_PACKED_BYTES or not available():
+        yield 0
+        return
+    before = [layer.matmul for layer in layers]
+    for layer in layers:
+        compute_dtype, min_rows = packing_for(layer.weight)
+        layer.matmul = PackedLinear(layer.weight, layer.matmul, compute_dtype=compute_dtype, min_rows=min_rows)
+    try:
+        yield len(layers)
+    finally:
+        for layer, matmul in zip(layers, before):
+            layer.matmul = matmul
