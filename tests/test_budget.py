@@ -69,7 +69,8 @@ def test_plan_fills_the_budget_with_steps_and_evaluations(data, tmp_path):
 def test_plan_keeps_the_warmup_inside_a_short_run(data, tmp_path):
     config = config_for(data, tmp_path, "train.budget_seconds=3", "optim.schedule=wsd", "optim.decay_fraction=0.95")
     planned, _ = plan_steps(config, step_seconds=0.1)
-    assert planned.train.max_steps == 20 and planned.optim.warmup_iters == 1  # 20 - round(0.95 * 20) = 1
+    # evaluations held to 5% of the budget (1.5 steps), not 8 of them: 2.85 / 0.1 - 1.5 -> 26 steps
+    assert planned.train.max_steps == 26 and planned.optim.warmup_iters == 1  # 26 - round(0.95 * 26) = 1
 
 
 def test_a_budget_too_small_for_one_evaluation_is_refused_with_what_would_do(data, tmp_path):
@@ -94,6 +95,20 @@ def test_budget_clock_counts_evaluations_only_when_the_budget_includes_them(data
         now[0] = 0.0
 
 
+def test_the_start_up_is_spent_from_the_budget(data, tmp_path):
+    """A budget is the command's wall time: the seconds before the first step (the probe, building the model)
+    leave fewer steps in the plan and count on the clock, but not in the step time it measures."""
+    config = config_for(data, tmp_path, "train.budget_seconds=100")
+    planned, _ = plan_steps(config, step_seconds=0.1, spent=20.0)
+    assert planned.train.max_steps == int(0.95 * 80 / 0.1 - budget_module.EVALUATIONS) == 752
+    with pytest.raises(ValueError, match=r"give at least 26 s"):  # 6 s of steps after the 20 s spent
+        plan_steps(config.with_values(train={"budget_seconds": 21.0}), step_seconds=0.5, spent=20.0)
+    now = [30.0]
+    watch = BudgetClock(config, used=2.0, clock=lambda: now[0], started=18.0)  # 12 s of start-up this session
+    now[0] += 5.0
+    assert watch.used() == 2.0 + 12.0 + 5.0 and watch.training_seconds() == 5.0
+
+
 class FakeClock:
     """perf_counter stand-in: each read advances one 'second'."""
 
@@ -105,7 +120,7 @@ class FakeClock:
         return self.now
 
 
-def fixed_probe(config, train_tokens):
+def fixed_probe(config, train_tokens, started=None):
     return budget_module.plan_steps(config, step_seconds=0.01, threads=1)
 
 
@@ -116,7 +131,7 @@ def metrics(run_dir: Path, kind: str) -> list[dict]:
 def stopped_clock(monkeypatch) -> None:
     """The budget's clock never advances: the run ends at its planned step whatever this machine's speed."""
     monkeypatch.setattr(trainer_module, "BudgetClock",
-                        lambda config, used=0.0: BudgetClock(config, used=used, clock=lambda: 0.0))
+                        lambda config, used=0.0, started=None: BudgetClock(config, used=used, clock=lambda: 0.0))
 
 
 def test_budgeted_run_is_planned_saved_and_resumed_with_its_plan(data, tmp_path, monkeypatch):
@@ -126,8 +141,9 @@ def test_budgeted_run_is_planned_saved_and_resumed_with_its_plan(data, tmp_path,
     config = config_for(data, run_dir, "train.budget_seconds=0.5")
     result = train(config.with_overrides([]), quiet=True)
     saved = load_config(run_dir / "config.toml")
-    assert result.status == "finished" and result.final_step == saved.train.max_steps == 39
-    assert saved.train.threads == 1 and saved.optim.warmup_iters == 3  # a tenth of the run at most
+    assert result.status == "finished" and result.final_step == saved.train.max_steps == 45
+    # 0.95 * 0.5 / 0.01 = 47.5 steps, less 2.5 of evaluations (5% of the budget) -> 45
+    assert saved.train.threads == 1 and saved.optim.warmup_iters == 4  # a tenth of the run at most
     assert len(metrics(run_dir, "eval")) == 8
     # A resume with another budget is refused, naming both; the run is untouched.
     before = (run_dir / "metrics.jsonl").read_bytes()
@@ -150,7 +166,7 @@ def test_a_slow_machine_stops_at_the_budget_with_a_final_evaluation_and_checkpoi
     monkeypatch.setattr(resolve_module, "plan_budget", fixed_probe)
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "BudgetClock",
-                        lambda config, used=0.0: BudgetClock(config, used=used, clock=clock))
+                        lambda config, used=0.0, started=None: BudgetClock(config, used=used, clock=clock))
     run_dir = tmp_path / "run"
     result = train(config_for(data, run_dir, "train.budget_seconds=0.5"), quiet=True)
     planned = load_config(run_dir / "config.toml").train.max_steps
@@ -230,9 +246,10 @@ class SimulatedMachine:
         monkeypatch.setattr(trainer_module, "evaluate", evaluate)
         monkeypatch.setattr(CheckpointManager, "save", save)
         monkeypatch.setattr(trainer_module, "BudgetClock",
-                            lambda config, used=0.0: BudgetClock(config, used=used, clock=self))
+                            lambda config, used=0.0, started=None: BudgetClock(config, used=used, clock=self))
         monkeypatch.setattr(resolve_module, "plan_budget",  # the probe: 0.5 s
-                            lambda config, train_tokens: plan_steps(config, step_seconds=0.5, threads=1))
+                            lambda config, train_tokens, started=None: plan_steps(config, step_seconds=0.5,
+                                                                                  threads=1))
 
 
 BUDGET = 120.0  # simulated seconds: the probe's 0.5 s a step plans int(0.95 * 120 / 0.5 - 8) = 220 steps

@@ -29,9 +29,9 @@ def fixed_plan(monkeypatch):
     """The budget's plan from a fixed step time and a clock that never runs out: the test trains the same steps
     on a fast machine and on a busy one (the real probe and clock are tested in test_budget.py)."""
     monkeypatch.setattr(resolve_module, "plan_budget",
-                        lambda config, train_tokens: plan_steps(config, step_seconds=0.05, threads=1))
+                        lambda config, train_tokens, started=None: plan_steps(config, step_seconds=0.05, threads=1))
     monkeypatch.setattr(trainer_module, "BudgetClock",
-                        lambda config, used=0.0: BudgetClock(config, used=used, clock=lambda: 0.0))
+                        lambda config, used=0.0, started=None: BudgetClock(config, used=used, clock=lambda: 0.0))
 
 
 def test_demo_end_to_end_writes_every_artifact_and_prints_a_story(tinystories_sample, tmp_path, capsys, fixed_plan):

@@ -11,6 +11,7 @@ exactly those steps, so the schedule ends where the time does. The plan also spr
 The probe is a guess: the machine may be busier (or quieter) later. The run therefore re-plans as it goes
 (``LivePlan``), at every log step:
 
+- the budget counts from the command's start: the probe and the start-up are spent from it (``BudgetClock``);
 - the step time is the median of the mean step times of the last ``WINDOWS`` log windows, measured on the budget's
   clock without the evaluation/checkpoint pauses (a median: a window with a compile or a hiccup moves nothing);
 - ``max_steps`` becomes the step count that fills ``REPLANNED_SHARE`` of the budget from the time used so far,
@@ -58,6 +59,7 @@ WINDOWS = 5  # log windows in the step-time median, and measured before the firs
 # outvotes two slow windows (a compile, a recompile at the first evaluation, a hiccup)
 REPORTED_CHANGE = 0.02  # a re-plan that moves the end by more than this share of the steps is printed
 EVALUATIONS = 8  # evaluations (and checkpoints) over a budgeted run: the learning curve's points
+PROBE_STEPS = 3  # timed steps a side of the probe (after a warm-up step): a median of three outvotes one hiccup
 MIN_STEPS = 10  # a budget that buys fewer steps than this (plus one evaluation) is refused
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*$")
@@ -114,12 +116,13 @@ def measure_step_seconds(config: RunConfig, train_tokens: np.ndarray, steps: int
 
 def choose_threads(config: RunConfig, train_tokens: np.ndarray) -> tuple[int, float]:
     """(torch threads, seconds per step): the default thread count, or 1 when that is clearly faster (a busy
-    machine). Leaves torch set to the thread count it returns."""
+    machine). Leaves torch set to the thread count it returns. PROBE_STEPS a side, as the probe is spent from the
+    budget."""
     default = torch.get_num_threads()
-    seconds = measure_step_seconds(config, train_tokens)
+    seconds = measure_step_seconds(config, train_tokens, PROBE_STEPS)
     if default > 1 and config.train.device in ("cpu", "auto") and not torch.cuda.is_available():
         torch.set_num_threads(1)
-        single = measure_step_seconds(config, train_tokens)
+        single = measure_step_seconds(config, train_tokens, PROBE_STEPS)
         if single < 0.8 * seconds:
             return 1, single
         torch.set_num_threads(default)
@@ -132,18 +135,23 @@ def evaluation_cost_steps(config: RunConfig) -> float:
     return config.train.eval_batches / (3 * config.train.grad_accum_steps)
 
 
-def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1) -> tuple[RunConfig, BudgetPlan]:
-    """The config with max_steps, the schedule's warm-up and the log/eval/checkpoint cadence fitted to
-    train.budget_seconds at `step_seconds` a step (a pure function: tests give it any step time)."""
+def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1,
+               spent: float = 0.0) -> tuple[RunConfig, BudgetPlan]:
+    """The config with max_steps, the schedule's warm-up and the log/eval/checkpoint cadence fitted to what is left
+    of train.budget_seconds after `spent` seconds of start-up, at `step_seconds` a step (a pure function: tests
+    give it any step time)."""
     budget = config.train.budget_seconds
     if budget is None:
         raise ValueError("plan_steps needs train.budget_seconds")
-    eval_steps = EVALUATIONS * evaluation_cost_steps(config) if config.train.budget_includes_eval else 0.0
-    steps = int(PLANNED_SHARE * budget / step_seconds - eval_steps)
+    eval_steps = 0.0
+    if config.train.budget_includes_eval:  # EVALUATIONS of them, held to EVAL_SHARE of the budget; the last one stays
+        cost = evaluation_cost_steps(config)
+        eval_steps = min(EVALUATIONS * cost, max(cost, EVAL_SHARE * (budget - spent) / step_seconds))
+    steps = int(PLANNED_SHARE * (budget - spent) / step_seconds - eval_steps)
     if steps < MIN_STEPS:
         needed = (MIN_STEPS + evaluation_cost_steps(config)) * step_seconds / PLANNED_SHARE
         raise ValueError(f"budget {budget:g} s is too small: a step takes {step_seconds:.2f} s here, so it buys "
-                         f"{max(steps, 0)} steps (and its evaluations); give at least {math.ceil(needed)} s")
+                         f"{max(steps, 0)} steps (and its evaluations); give at least {math.ceil(needed + spent)} s")
     every = max(1, math.ceil(steps / EVALUATIONS))
     warmup = min(config.optim.warmup_iters, steps // 10)
     if config.optim.schedule == "wsd":
@@ -156,11 +164,13 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1) -> tupl
 
 def plan_budget(config: RunConfig, train_tokens: np.ndarray,
                 measure: Callable[[RunConfig, np.ndarray], tuple[int, float]] = choose_threads,
-                ) -> tuple[RunConfig, BudgetPlan]:
-    """Measure a step on this machine on ``train_tokens`` (``measure`` -> (threads, seconds)) and plan the run:
-    see plan_steps."""
+                started: float | None = None) -> tuple[RunConfig, BudgetPlan]:
+    """Measure a step on this machine on ``train_tokens`` (``measure`` -> (threads, seconds)) and plan the run
+    (plan_steps) over what is left of the budget since ``started`` (a time.perf_counter() reading: when the
+    command began; None: the budget is whole)."""
     threads, step_seconds = measure(config, train_tokens)
-    return plan_steps(config, step_seconds, threads)
+    spent = 0.0 if started is None else time.perf_counter() - started
+    return plan_steps(config, step_seconds, threads, spent)
 
 
 class BudgetClock:
@@ -168,15 +178,19 @@ class BudgetClock:
 
     The loop brackets each evaluation/checkpoint with ``begin_pause``/``end_pause``; read during one (a
     checkpoint records the time used), the clock stands at the pause's start. ``clock`` is injectable so tests
-    never depend on the machine's speed.
+    never depend on the machine's speed. ``started`` (a reading of ``clock``: when the command began) counts the
+    session's start-up (the probe, building the model, a restore) as used: a budget is the command's wall time,
+    not only its training's.
     """
 
-    def __init__(self, config: RunConfig, used: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, config: RunConfig, used: float = 0.0, clock: Callable[[], float] = time.perf_counter,
+                 started: float | None = None) -> None:
         self.budget = config.train.budget_seconds
         self.includes_eval = config.train.budget_includes_eval
         self.clock = clock
-        self.used_before = used  # from earlier sessions of a resumed run
         self.session_start = clock()
+        startup = 0.0 if started is None else self.session_start - started
+        self.used_before = used + startup  # earlier sessions of a resumed run, and this one's start-up
         self.paused = 0.0  # excluded pause time of this session
         self.all_paused = 0.0  # all pause time of this session, excluded or not
         self.pause_start: float | None = None

@@ -57,10 +57,11 @@ class ResolvedRun:
 
 def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
                 model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool,
-                saved: RunConfig | None = None) -> ResolvedRun:
+                saved: RunConfig | None = None, started: float | None = None) -> ResolvedRun:
     """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
     run starts from nor the budget's plan (rank 0 prints them). ``saved``: on resume, the run's config.toml if
-    the caller read it already (the CLI's `--resume` without `--config` continues from it)."""
+    the caller read it already (the CLI's `--resume` without `--config` continues from it). ``started``: when the
+    command began (time.perf_counter()), so that a budget's plan counts the start-up."""
     run_dir = Path(config.train.run_dir)
     saved_path = run_dir / CONFIG_FILE
     if saved is None and resume and saved_path.is_file():
@@ -78,7 +79,7 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
     config = bind_tokenizer(config, tokenizer, train_file, val_file)
     config = _precision(config, saved, device, quiet)
-    config = _planned(config, saved, train_tokens, quiet)
+    config = _planned(config, saved, train_tokens, quiet, started)
     return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
 
 
@@ -106,7 +107,8 @@ def _tokenizer(config: RunConfig, source: InitSource | None) -> Tokenizer | None
     return Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
 
 
-def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool) -> RunConfig:
+def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarray, quiet: bool,
+             started: float | None) -> RunConfig:
     """The config with its budget plan: measured now on ``train_tokens``, or on resume (``saved``, the run's
     config.toml) the plan the run was started with."""
     if config.train.budget_seconds is None:
@@ -121,7 +123,7 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
         for section, key in PLANNED_FIELDS:
             planned.setdefault(section, {})[key] = getattr(getattr(saved, section), key)
         return config.with_values(**planned)
-    config, plan = plan_budget(config, train_tokens)
+    config, plan = plan_budget(config, train_tokens, started=started)
     config = _rank_zeros(config.with_values(train={"threads": plan.threads}))
     if not quiet:
         print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)

@@ -158,6 +158,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
     ``saved``: on resume, the run's config.toml when the caller has read it already (else it is read here).
     """
+    started = time.perf_counter()  # a budget counts from here: the probe and the start-up are spent from it
     rank, world_size = _rank_and_world_size()
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
@@ -169,18 +170,18 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     if is_main_process:
         prepare_run_dir(run_dir, resume)
     run = resolve_run(config, resume=resume, device=device, world_size=world_size, model_overrides=model_overrides,
-                      force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved)
+                      force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved, started=started)
     default_threads = torch.get_num_threads()
     if run.config.train.threads is not None:
         torch.set_num_threads(run.config.train.threads)
     try:
-        return _train(run, resume, quiet, wrap, device, rank, world_size)
+        return _train(run, resume, quiet, wrap, device, rank, world_size, started)
     finally:
         torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
 
 
 def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
-           device: torch.device, rank: int, world_size: int) -> TrainResult:
+           device: torch.device, rank: int, world_size: int, started: float) -> TrainResult:
     is_main_process = rank == 0
     config = run.config
     run_dir = Path(config.train.run_dir)
@@ -207,7 +208,7 @@ def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Modul
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
                                wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
     loop = _Loop(config, model, raw_model, optimizer, sampler, run.val_tokens, checkpoints, logger, state, device,
-                 world_size, quiet)
+                 world_size, quiet, started)
     try:
         with StopRequest() as stop:
             return loop.run(stop)
@@ -252,7 +253,8 @@ class _Loop:
 
     def __init__(self, config: RunConfig, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: BatchSampler, val_tokens: np.ndarray | None, checkpoints, logger: MetricsLogger | None,
-                 state: LoopState, device: torch.device, world_size: int, quiet: bool = True) -> None:
+                 state: LoopState, device: torch.device, world_size: int, quiet: bool = True,
+                 started: float | None = None) -> None:
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
         self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
         self.state, self.device, self.world_size = state, device, world_size
@@ -262,7 +264,7 @@ class _Loop:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak_flops = device_peak_flops(device_name, config.train.dtype)
         self.step_flops = model_step_flops(config) if self.peak_flops else None
-        self.budget = BudgetClock(config, used=state.budget_used)
+        self.budget = BudgetClock(config, used=state.budget_used, started=started)
         self.quiet = quiet or logger is None
         self.live = LivePlan.start(config, state.plan) if config.train.budget_seconds is not None else None
         if self.live is not None:
