@@ -17,10 +17,12 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
+from scratchlm.model.kernels.fused_norm import fused_rms_norm
+from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import PackedLinear, packed_weights
-from scratchlm.model.layers import Linear, linear
+from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
 
-CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention}
+CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention, "grouped": grouped_causal_attention}
 TOLERANCE = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rtol=1e-5, atol=1e-5),
              torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 needs_onednn = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed-linear ops")
@@ -46,9 +48,12 @@ def _assert_same(fast, readable, inputs: list[torch.Tensor], dtype: torch.dtype)
             assert_close(g, w, **TOLERANCE[dtype])
 
 
-def _qkv(B: int, H: int, T_q: int, T_k: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def _qkv(B: int, H: int, T_q: int, T_k: int, dtype: torch.dtype, seed: int = 0,
+         kv_heads: int | None = None) -> list[torch.Tensor]:
+    """q (B, H, T_q, 8), k and v (B, kv_heads, T_k, 8) (kv_heads None: H)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, t, 8, generator=generator).to(dtype) for t in (T_q, T_k, T_k)]
+    return [torch.randn(B, h, t, 8, generator=generator).to(dtype)
+            for h, t in ((H, T_q), (kv_heads or H, T_k), (kv_heads or H, T_k))]
 
 
 def _left_padding(B: int, T_k: int, pads: list[int]) -> torch.Tensor:
@@ -70,8 +75,9 @@ def _left_padding(B: int, T_k: int, pads: list[int]) -> torch.Tensor:
     (0, 5, 5, None),  # an empty batch
     (2, 0, 4, None),  # no new queries
 ])
-def test_attention_cores_equal_the_readable_core(core, dtype, B, T_q, T_k, pads):
-    inputs = _qkv(B, 2, T_q, T_k, dtype)
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2), (4, 1)])  # multi-head, grouped-query, multi-query
+def test_attention_cores_equal_the_readable_core(core, dtype, B, T_q, T_k, pads, heads, kv_heads):
+    inputs = _qkv(B, heads, T_q, T_k, dtype, kv_heads=kv_heads)
     padding = None if pads is None else _left_padding(B, T_k, pads)
     _assert_same(lambda q, k, v: CORES[core](q, k, v, padding),
                  lambda q, k, v: causal_attention(q, k, v, padding), inputs, dtype)
@@ -149,6 +155,17 @@ def test_few_rows_linear_equals_x_wt(rows, dtype, d_in, d_out):
 def test_few_rows_linear_on_another_device_is_x_wt():
     x, weight = torch.randn(1, 8, device="meta"), torch.randn(4, 8, device="meta")
     assert few_rows_linear(x, weight).shape == (1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
+    norm = RMSNorm(48, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(5, 3, 48, generator=generator) * scale).to(dtype)
+        assert torch.equal(fused_rms_norm(x, norm.weight, norm.eps), norm(x))
 
 
 needs_native_bf16 = pytest.mark.skipif(not cpu.has_native_bf16(), reason="this CPU (or ATEN_CPU_CAPABILITY / "
@@ -318,10 +335,12 @@ def test_apply_and_readable_switch_every_module_and_keep_the_state_dict():
 def test_decoding_switches_kernels_on_for_its_block_and_keeps_the_callers_choice():
     readable, fused = _pair(fused=True)
     with kernels.decoding(readable):
-        assert readable.layers[0].attn.attention_core is chunked_causal_attention
+        assert readable.layers[0].attn.attention_core is grouped_causal_attention
+        assert readable.layers[0].ln1.normalize is fused_rms_norm
         matmul = readable.lm_head.matmul  # few_rows_linear, or a packed copy over it (packed_linear.py)
         assert matmul is few_rows_linear or matmul.fallback is few_rows_linear
     assert readable.layers[0].attn.attention_core is causal_attention and readable.lm_head.matmul is linear
+    assert readable.layers[0].ln1.normalize is rms_norm
     with kernels.decoding(fused):
         assert fused.layers[0].attn.attention_core is fused_causal_attention
     assert fused.layers[0].attn.attention_core is fused_causal_attention

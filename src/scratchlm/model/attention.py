@@ -14,8 +14,9 @@
   optional q/k/v biases, optional QK-norm, RoPE, an optional KV cache for decoding. With grouped-query
   attention (num_kv_heads < num_heads; 1 = multi-query) K and V have only num_kv_heads heads, each shared by
   a group of num_heads / num_kv_heads consecutive query heads (Ainslie et al., 2023): the cache holds those
-  few heads, and each is repeated over its group right before the attention core, whose contract stays
-  (B, H, T, d_k) for q, k and v alike. The head size is its own setting (head_dim), independent of d_model.
+  few heads, and the attention core gets them as they are (q (B, H, T, d_k), k and v (B, H_kv, T, d_k)); the
+  readable core repeats each over its group. The head size is its own setting (head_dim), independent of
+  d_model.
 
 This file is the readable reference and what runs by default. Faster implementations of the same contracts
 live in model/kernels/ (a cache-blocked attention core, torch's fused SDPA, RoPE as one complex multiply); the
@@ -88,10 +89,18 @@ class RotaryPositionalEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         """token_positions None means positions start, start+1, ...: a table slice instead of a gather."""
+        return self.rotated(x, *self.angles(token_positions, start, x.shape[-2]))
+
+    def angles(self, token_positions: torch.Tensor | None, start: int = 0,
+               length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the positions' angles, (..., T, d_k/2): token_positions (..., T), or with None the `length`
+        positions from `start` (a table slice instead of a gather)."""
         if token_positions is None:
-            cos, sin = self.cos[start:start + x.shape[-2]], self.sin[start:start + x.shape[-2]]  # (T, d_k/2)
-        else:
-            cos, sin = self.cos[token_positions], self.sin[token_positions]  # (..., T, d_k/2)
+            return self.cos[start:start + length], self.sin[start:start + length]  # (T, d_k/2)
+        return self.cos[token_positions], self.sin[token_positions]  # (..., T, d_k/2)
+
+    def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (..., T, d_k) with each pair rotated by its angle (cos/sin broadcast to (..., T, d_k/2))."""
         # Rotate in (at least) float32 and cast back: a bf16 x keeps its precision through the rotation. (After
         # `model.to(torch.bfloat16)` the tables hold bf16-rounded cos/sin, as Hugging Face's Llama multiplies by.)
         real = torch.promote_types(x.dtype, torch.float32)
@@ -130,23 +139,26 @@ def causal_mask(T_q: int, T_k: int, key_padding: torch.Tensor | None, device) ->
     key_padding (B, >= T_k), True = real token; a KV cache's is as long as the cache) no padding. Bool (T_q, T_k),
     or (B, 1, T_q, T_k) with padding (the 1 broadcasts over heads); None when nothing is masked (a single query
     sees every key before it)."""
-    if key_padding is None and T_q == 1:
-        return None
+    if T_q == 1:  # a single query, the last position, sees every key before it: only padding is masked
+        return None if key_padding is None else key_padding[:, None, None, :T_k]
     causal = torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=T_k - T_q)
     return causal if key_padding is None else causal & key_padding[:, None, None, :T_k]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
-    """q (B, H, T_q, d_k) are the last T_q of the T_k positions of k, v (B, H, T_k, d): -> (B, H, T_q, d_v).
-    key_padding (B, >= T_k) bool, True = real token."""
-    return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device))
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     """(B, H_kv, T, d) -> (B, H_kv·group, T, d): KV head j repeated for query heads j·group ... (j+1)·group - 1
     (Hugging Face's `repeat_kv` order). group 1 (multi-head attention) returns x itself, no copy."""
     return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, T_q, d_k) are the last T_q of the T_k positions of k, v (B, H_kv, T_k, d), H_kv dividing H (each
+    KV head serves a group of H / H_kv consecutive query heads): -> (B, H, T_q, d_v). key_padding (B, >= T_k)
+    bool, True = real token."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)  # (B, H, T_k, d): each KV head per group
+    return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device))
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -205,8 +217,6 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.rope(q, positions, start=past), self.rope(k, positions, start=past)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_index, k, v)  # (B, H_kv, past + T, d_k): the cache holds the KV heads only
-        group = self.num_heads // self.num_kv_heads
-        k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)  # (B, H, T_k, d_k): each KV head per group
         out = self.attention_core(q, k, v, key_padding)  # (B, H, T, d_k)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, H·d_k) -> (B, T, d_model)
 

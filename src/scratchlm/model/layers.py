@@ -13,6 +13,7 @@ inputs. Design choices:
 - `Linear` computes x Wᵀ through its `matmul` attribute, `linear` here unless the trainer or the generator
   switched in a faster equivalent from model/kernels/ (`kernels.apply`). The optional bias (only the q/k/v
   projections of ``qkv_bias`` models have one) is added after `matmul`, so every kernel computes x Wᵀ alone.
+  `RMSNorm` likewise normalizes through its `normalize` attribute (`rms_norm` here).
 """
 
 from __future__ import annotations
@@ -89,18 +90,24 @@ class Embedding(nn.Module):
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x²) + eps) · g over the last dim, computed in (at least) float32, cast back."""
+    x32 = _at_least_float32(x)
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+    return (x32 * inv_rms * weight.to(x32.dtype)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · g over the last dim (`rms_norm`), with a learned gain g (d_model,)."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.normalize = rms_norm  # model/kernels/ may swap in a fused norm with the same contract
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = _at_least_float32(x)
-        inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
-        return (x32 * inv_rms * self.weight.to(x32.dtype)).to(x.dtype)
+        return self.normalize(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -161,8 +168,9 @@ class _SiLU(torch.autograd.Function):
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU(x) = x · sigmoid(x)."""
-    return _SiLU.apply(x)
+    """SiLU(x) = x · sigmoid(x). Without autograd (decoding) the same two ops without the Function around them,
+    whose call costs as much as they do at a decoding step's sizes."""
+    return _SiLU.apply(x) if x.requires_grad else x * torch.sigmoid(x)
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from scratchlm.model.layers import Embedding, Linear, check_index_dtype, make_no
 
 
 class SwiGLU(nn.Module):
-    """W2 (SiLU(W1 x) ⊙ W3 x): the Llama FFN."""
+    """W2 (SiLU(W1 x) ⊙ W3 x): the Llama FFN. `inputs` are the projections of x that `hidden` combines, in its
+    order (a fused decoding step multiplies by them as one)."""
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -34,8 +35,16 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
+    @property
+    def inputs(self) -> tuple[Linear, ...]:
+        return self.w1, self.w3
+
+    @staticmethod
+    def hidden(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu(gate) * up  # (..., d_ff)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu(self.w1(x)) * self.w3(x))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
+        return self.w2(self.hidden(self.w1(x), self.w3(x)))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
 
 
 class SiLUFFN(nn.Module):
@@ -46,8 +55,16 @@ class SiLUFFN(nn.Module):
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
 
+    @property
+    def inputs(self) -> tuple[Linear, ...]:
+        return (self.w1,)
+
+    @staticmethod
+    def hidden(up: torch.Tensor) -> torch.Tensor:
+        return silu(up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu(self.w1(x)))
+        return self.w2(self.hidden(self.w1(x)))
 
 
 class ReLU2FFN(nn.Module):
@@ -60,11 +77,25 @@ class ReLU2FFN(nn.Module):
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
 
+    @property
+    def inputs(self) -> tuple[Linear, ...]:
+        return (self.w1,)
+
+    @staticmethod
+    def hidden(up: torch.Tensor) -> torch.Tensor:
+        return relu_squared(up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(relu_squared(self.w1(x)))
+        return self.w2(self.hidden(self.w1(x)))
 
 
 FFN_CLASSES = {"swiglu": SwiGLU, "silu": SiLUFFN, "relu2": ReLU2FFN}
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap · tanh(logits / cap): smoothly bounds every logit to (-cap, cap), no runaway confidence (Gemma 2).
+    cap None or 0: the logits as they are."""
+    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 class TransformerBlock(nn.Module):
@@ -163,11 +194,7 @@ class TransformerLM(nn.Module):
             kv_cache.advance(in_indices.shape[1], attention_mask)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.ln_final(x))  # (B, T, vocab_size), T = 1 with last_only
-        cap = self.config.logit_softcap
-        if cap:  # smoothly bounds every logit to (-cap, cap): no runaway confidence (Gemma 2)
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+        return softcap(self.lm_head(self.ln_final(x)), self.config.logit_softcap)  # (B, T, V); T = 1: last_only
 
     def _validate(self, in_indices, token_positions, attention_mask, kv_cache) -> None:
         """Shape, dtype and KV-cache checks always (O(1), no sync); value ranges only when `check_inputs` (they

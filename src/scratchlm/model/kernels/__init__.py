@@ -4,15 +4,20 @@ model/ is the readable algorithm, and it is what runs unless something here is a
 implements one of the model's swappable contracts, says on which hardware it wins, and is proven equal to the
 readable path (values and gradients) in tests/test_kernels.py:
 
-| module            | stands in for                                   | wins on                                   |
-|-------------------|-------------------------------------------------|-------------------------------------------|
+| module            | stands in for                                    | wins on                                   |
+|-------------------|--------------------------------------------------|-------------------------------------------|
 | chunked_attention | `MultiHeadSelfAttention.attention_core`          | CPU (cache blocking); elsewhere one chunk |
 | fused_attention   | `MultiHeadSelfAttention.attention_core`          | CUDA (torch's fused SDPA); opt-in on CPU  |
+| grouped_attention | `attention_core`, within `decoding`              | CPU decoding (KV heads not repeated)      |
 | complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
+| fused_norm        | `RMSNorm.normalize`, within `decoding`           | every device (1 op, not 6)                |
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN (bf16 packs: bf16 ISA)    |
 | decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
-| compiled_step     | decode_step's one-token steps, opt-in           | CPU, bf16 (inductor fuses the small ops)  |
+| compiled_step     | decode_step's one-token steps, opt-in            | CPU, bf16 (inductor fuses the small ops)  |
+
+decode_step and compiled_step are built from the model's own pieces (its norms, RoPE, attention core, FFN
+activation, soft-cap): each piece of the block is computed in one place, model/.
 
 Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
 the generator (generate/sampling.py decodes under `decoding(model)`), and the benchmarks. A kernel checks
@@ -38,24 +43,37 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
+from scratchlm.model.kernels.fused_norm import fused_rms_norm
+from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import packed_weights
-from scratchlm.model.layers import Linear, linear
+from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
 _HOOKS = ((MultiHeadSelfAttention, "attention_core", causal_attention),
           (RotaryPositionalEmbedding, "rotate", rotate_pairs),
-          (Linear, "matmul", linear))
+          (Linear, "matmul", linear),
+          (RMSNorm, "normalize", rms_norm))
 
 
 def choices(device: torch.device | str, fused_attention: bool | None = None) -> dict[type, object]:
-    """The fastest implementation of each contract on `device`. fused_attention None: torch's fused SDPA on
-    CUDA, the chunked core elsewhere; True/False forces one or the other."""
+    """The fastest implementation of each contract on `device` for training. fused_attention None: torch's fused
+    SDPA on CUDA, the chunked core elsewhere; True/False forces one or the other."""
     device = torch.device(device)
     if fused_attention is None:
         fused_attention = device.type == "cuda"
     core = fused_causal_attention if fused_attention else chunked_causal_attention
     return {MultiHeadSelfAttention: core, RotaryPositionalEmbedding: rotate_as_complex,
-            Linear: few_rows_linear if device.type == "cpu" else linear}
+            Linear: few_rows_linear if device.type == "cpu" else linear, RMSNorm: rms_norm}
+
+
+def decoding_choices(device: torch.device | str) -> dict[type, object]:
+    """`choices` for decoding (no autograd, a few new tokens against a cache): the fused norm, and on a CPU the
+    grouped attention core."""
+    device = torch.device(device)
+    chosen = choices(device) | {RMSNorm: fused_rms_norm}
+    if device.type == "cpu":
+        chosen[MultiHeadSelfAttention] = grouped_causal_attention
+    return chosen
 
 
 def apply(model: nn.Module, device: torch.device | str | None = None, *,
@@ -88,7 +106,7 @@ def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
     models and the other calls decode as without). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
-    chosen = choices(_device_of(model))
+    chosen = decoding_choices(_device_of(model))
     _install(model, chosen, only_readable=True)
     step = forward_step(model)
     packed: nn.Module = model

@@ -3,21 +3,21 @@
 
 Wins on: CPUs, for bf16 models. The eager bf16 step (decode_step.py) spends about half its time outside the
 products, in ~50 small ops a layer (norms, RoPE, casts, softmax), each a dispatch and, in bf16, a conversion;
-inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as tuned_linear.py does.
+inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as packed_linear.py does.
 Measured with benchmarks/bench_generate.py and bench_compile_decode.py (tinystories-17m, 2-core AMD EPYC with
 AVX512-BF16): the bf16 step ~1.4x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
-slower: inductor's float32 products are slower than the ones tuned_linear.py times), so only bf16 models on a CPU
+slower: inductor's float32 products are slower than packed_linear.py's), so only bf16 models on a CPU
 are compiled. The price is the compile: ~8-10 s for batch 1 and as much for every other batch size together (the
 batch is a dynamic dimension from 2 rows up), once per model in a process (kept for the model's life while its
 weights are unchanged), ~20 s more with inductor's on-disk cache cold. So it pays for long
 generations and long-lived decoders, and it is opt-in.
 
-What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm RMSNorm TransformerLM, one
+What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one
 new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
 keys are masked). The cache's length is a dynamic dimension of the graph and the position a tensor, so a growing
-cache does not compile again. The math is decode_step.py's (fused q/k/v and W1/W3 products, the readable RMSNorm
-and RoPE in at least float32, attention in float32 with a KV head's query heads together) in straight lines for
-inductor to trace. Anything else (a prefill,
+cache does not compile again. The math is decode_step.py's, from the model's own pieces (norms, QK-norm, RoPE,
+attention core, FFN activation, soft-cap) around concatenated q/k/v and FFN input products, for inductor to
+trace. Anything else (a prefill,
 an attention mask, autograd, weights changed since the compile) takes the eager step. Tested against the model's
 forward in tests/test_compiled_step.py.
 """
@@ -25,7 +25,6 @@ forward in tests/test_compiled_step.py.
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 
 import torch
@@ -33,10 +32,9 @@ import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from scratchlm.model.attention import rotate_pairs
 from scratchlm.model.kernels import decode_step
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.transformer import TransformerLM
+from scratchlm.model.transformer import TransformerLM, softcap
 
 COMPILED_DTYPES = (torch.bfloat16,)  # where compiling was measured to win (see above)
 # Graphs of this step's code in one process: each model (and each new set of its weights) adds two (batch 1 and
@@ -54,7 +52,7 @@ def supports(model: nn.Module) -> bool:
 def not_compiled_because(model: nn.Module) -> str | None:
     """Why `compile=True` decodes this model eagerly (None: it compiles), for the commands to say so."""
     if not decode_step.supports(model):
-        return "only a pre-norm RMSNorm TransformerLM has a compiled step"
+        return "only a pre-norm TransformerLM has a compiled step"
     weight = model.lm_head.weight
     if weight.dtype not in COMPILED_DTYPES:
         name = str(weight.dtype).removeprefix("torch.")
@@ -132,60 +130,45 @@ def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
 
 class _StaticStep(nn.Module):
     """(ids (B,), positions (B,), column (1,), key_padding (B, T), keys, values) -> logits (B, V), writing each
-    layer's new key and value at `column` = T - 1 of its (B, H_kv, T, d_k) cache views."""
+    layer's new key and value at `column` = T - 1 of its (B, H_kv, T, d_k) cache views. decode_step.py's math
+    with the model's own pieces, its products against the weights as plain `@` (inductor packs them itself)."""
 
     def __init__(self, model: TransformerLM):
         super().__init__()
+        # The model's parts, not the model: the compiled step is kept under the model as a weak key.
+        self.embedding, self.blocks, self.final_norm, self.head = (model.token_embeddings, model.layers,
+                                                                   model.ln_final, model.lm_head)
+        self.cap = model.config.logit_softcap
         blocks = model.layers
-        attention = blocks[0].attn
-        self.heads, self.kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.embedding, self.head = model.token_embeddings.weight, model.lm_head.weight
-        self.norms = nn.ModuleList(norm for block in blocks for norm in (block.ln1, block.ln2))  # the readable ones
-        self.final_norm = model.ln_final
-        self.q_norms = nn.ModuleList(block.attn.q_norm for block in blocks if block.attn.q_norm is not None)
-        self.k_norms = nn.ModuleList(block.attn.k_norm for block in blocks if block.attn.k_norm is not None)
         self.qkv = nn.ParameterList(_frozen(b.attn.q_proj.weight, b.attn.k_proj.weight, b.attn.v_proj.weight)
                                     for b in blocks)
         self.qkv_bias = nn.ParameterList(_frozen(b.attn.q_proj.bias, b.attn.k_proj.bias, b.attn.v_proj.bias)
                                          for b in blocks if b.attn.q_proj.bias is not None)
-        self.out = nn.ParameterList(block.attn.output_proj.weight for block in blocks)
-        self.ffn_kind = type(blocks[0].ffn)
-        self.up = nn.ParameterList(_frozen(*decode_step.up_projections(block.ffn)) for block in blocks)
-        self.down = nn.ParameterList(block.ffn.w2.weight for block in blocks)
-        rope = attention.rope
-        self.rope_tables = rope is not None
-        if rope is not None:  # in at least float32, as the readable RoPE rotates (bf16 tables in a bf16 model)
-            real = torch.promote_types(rope.cos.dtype, torch.float32)
-            self.register_buffer("cos", rope.cos.to(real), persistent=False)
-            self.register_buffer("sin", rope.sin.to(real), persistent=False)
-        self.softcap = model.config.logit_softcap
+        self.up = nn.ParameterList(_frozen(*(linear.weight for linear in block.ffn.inputs)) for block in blocks)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, key_padding: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        rows, heads, kv_heads, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        hidden = ~key_padding[:, None, None, :]  # (B, 1, 1, T): a row's padding, over KV heads and query heads
-        x = self.embedding[ids]  # (B, d_model)
-        for index in range(len(self.qkv)):
-            qkv = self.norms[2 * index](x) @ self.qkv[index].t()  # (B, (H + 2·H_kv)·d_k)
+        rows = ids.shape[0]
+        rope = self.blocks[0].attn.rope
+        if rope is not None:
+            cos, sin = rope.angles(positions[:, None])  # (B, 1, d_k/2)
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d_k/2): over heads
+        x = self.embedding(ids)  # (B, d_model)
+        for index, block in enumerate(self.blocks):
+            attention, ffn = block.attn, block.ffn
+            heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
+            qkv = block.ln1(x) @ self.qkv[index].t()  # (B, (H + 2·H_kv)·d_k)
             if self.qkv_bias:
                 qkv = qkv + self.qkv_bias[index]
-            q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
-            q, k, v = q.view(rows, heads, d), k.view(rows, kv_heads, d), v.view(rows, kv_heads, d)
-            if self.q_norms:
-                q, k = self.q_norms[index](q), self.k_norms[index](k)
-            if self.rope_tables:
-                cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, d_k/2): over heads
-                q = rotate_pairs(q.to(cos.dtype), cos, sin).to(x.dtype)
-                k = rotate_pairs(k.to(cos.dtype), cos, sin).to(x.dtype)
-            keys[index].index_copy_(2, column, k[:, :, None])
-            values[index].index_copy_(2, column, v[:, :, None])
-            real = torch.promote_types(x.dtype, torch.float32)
-            grouped = q.to(real).view(rows, kv_heads, heads // kv_heads, d)  # a KV head's query heads together
-            scores = grouped @ keys[index].to(real).transpose(-2, -1) / math.sqrt(d)  # (B, H_kv, group, T)
-            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-            out = (weights @ values[index].to(real)).to(x.dtype).view(rows, heads * d)
-            x = x + out @ self.out[index].t()
-            up = self.norms[2 * index + 1](x) @ self.up[index].t()
-            x = x + decode_step.ffn_hidden(self.ffn_kind, up) @ self.down[index].t()
-        logits = self.final_norm(x) @ self.head.t()
-        return self.softcap * torch.tanh(logits / self.softcap) if self.softcap else logits
+            q, k, v = qkv.view(rows, -1, 1, d).split((heads, kv_heads, kv_heads), dim=1)  # (B, heads, 1, d_k)
+            if attention.q_norm is not None:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            if rope is not None:
+                q, k = rope.rotated(q, cos, sin), rope.rotated(k, cos, sin)
+            keys[index].index_copy_(2, column, k)
+            values[index].index_copy_(2, column, v)
+            out = attention.attention_core(q, keys[index], values[index], key_padding)  # (B, H, 1, d_k)
+            x = x + out.view(rows, heads * d) @ attention.output_proj.weight.t()
+            up = block.ln2(x) @ self.up[index].t()
+            x = x + ffn.hidden(*up.chunk(len(ffn.inputs), dim=-1)) @ ffn.w2.weight.t()
+        return softcap(self.final_norm(x) @ self.head.weight.t(), self.cap)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
 
-from scratchlm.model.attention import causal_mask
+from scratchlm.model.attention import causal_mask, repeat_kv_heads
 
 
 def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            key_padding: torch.Tensor | None = None) -> torch.Tensor:
-    """`attention.causal_attention` through torch's SDPA."""
+    """`attention.causal_attention` through torch's SDPA (K and V repeated over their groups of query heads first)."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)
     T_q, T_k = q.shape[-2], k.shape[-2]
     if key_padding is None and T_q == T_k:  # no cache, no padding: the plain causal mask, known to the kernel
         return torch_sdpa(q, k, v, is_causal=True)
