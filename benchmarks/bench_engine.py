@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402  (a sibling script)
 from harness import machine_line  # noqa: E402
+from scratchlm.generate.engine import Engine, Failed, Finished, Sampling, Sequence  # noqa: E402
 from scratchlm.serve.commands import off_the_main_thread  # noqa: E402
-from scratchlm.serve.engine import Engine, Failed, Finished, Sampling, Sequence  # noqa: E402
 from scratchlm.train.checkpoint import load_for_inference  # noqa: E402
 from scratchlm.train.tokenizer_identity import tokenizer_for_run  # noqa: E402
 

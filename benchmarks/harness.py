@@ -145,6 +145,21 @@ def python_command(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """This machine's memory bandwidth in bytes/s, as torch copies a `mib` MiB float32 tensor (bytes read +
+    written, median of `repeats`): the ceiling of a step that streams its weights from memory."""
+    import torch
+
+    source = torch.ones(mib * 2**18)
+    target = torch.empty_like(source)
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        target.copy_(source)
+        seconds.append(time.perf_counter() - start)
+    return 2 * source.nbytes / statistics.median(seconds[1:])
+
+
 def machine_line() -> str:
     """The CPU beside every figure: its model, its widest vector ISA (and bf16 arithmetic), what ATEN_CPU_CAPABILITY
     holds torch to, the cores and the load average when measured. Reads /proc/cpuinfo, not torch, so that a

@@ -19,9 +19,9 @@ pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is n
 httpx = pytest.importorskip("httpx", reason="the test extra's httpx is not installed")
 uvicorn = pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvicorn) is not installed")
 
+from scratchlm.generate.engine import Engine  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 from scratchlm.serve.app import create_app  # noqa: E402
-from scratchlm.serve.engine import Engine  # noqa: E402
 from scratchlm.serve.limits import Limits  # noqa: E402
 from scratchlm.tokenizer import Tokenizer  # noqa: E402
 

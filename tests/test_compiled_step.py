@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from scratchlm.generate.commands import say_if_not_compiled
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.model import KVCache, kernels
 from scratchlm.model.kernels import compiled_step
 from scratchlm.model.kernels.decode_step import DecodeStep

@@ -23,7 +23,7 @@ import torch
 
 from scratchlm.config import RunConfig
 from scratchlm.data.token_file import write_token_file
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.model import TransformerLM, kernels
 from scratchlm.model.config import PRESETS, ModelConfig
 from scratchlm.model.kv_cache import KVCache

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from scratchlm.generate import batch_cache
 from scratchlm.model import KVCache, ModelConfig, TransformerLM, kernels
 from scratchlm.model.kernels import decode_step, packed_linear
 from scratchlm.model.kernels.decode_step import DecodeStep
 from scratchlm.model.kernels.packed_linear import packed_weights
-from scratchlm.serve import batch_cache
 
 TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-5, atol=2e-5),
              torch.bfloat16: dict(rtol=3e-2, atol=6e-2)}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from scratchlm.compat.hf_custom_code import CONFIG_FILE, MODELING_FILE, export_custom_code
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.hf_format import EOS_TOKEN

@@ -21,7 +21,7 @@ from scratchlm.compat.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.model import ModelConfig, TransformerLM
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from hf_models import COMMON, hf_config, hf_model
 from scratchlm.cli import main
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.pretokenize import LLAMA3_SPLIT_PATTERN
 from scratchlm.train.checkpoint import load_for_inference

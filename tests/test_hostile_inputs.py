@@ -225,7 +225,7 @@ def test_generate_into_a_closed_pipe_exits_quietly(tmp_path, hf_folder):
     """`scratchlm generate | head -c 1`: the reader leaves early; generate ends with status 0 and no traceback."""
     assert main(["import", "hf", "--model", str(hf_folder), "--out", str(tmp_path / "run")]) == 0
     command = [sys.executable, "-m", "scratchlm.cli", "generate", "--checkpoint", str(tmp_path / "run"),
-               "--max-new-tokens", "200", "--num-samples", "50", "--temperature", "1.0"]
+               "--num-samples", "50", "--temperature", "1.0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env=os.environ | {"OMP_NUM_THREADS": "1"})
     process.stdout.read(1)

@@ -21,7 +21,7 @@ from scratchlm.cli import main
 from scratchlm.compat.hf import from_hf_state_dict
 from scratchlm.compat.hf_import import read_hf_folder, read_hf_model
 from scratchlm.compat.safetensors_header import read_safetensors_header
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.tokenizer.hf_format import write_hf_tokenizer
 from scratchlm.train.checkpoint import load_for_inference

@@ -42,8 +42,8 @@ EOT = "<|endoftext|>"
 HAS_HF = all(importlib.util.find_spec(name) for name in ("transformers", "tokenizers"))
 SHORT_RUN = ["--set", "train.max_steps=12", "--set", "train.checkpoint_every=6", "--set", "train.eval_every=6",
              "--set", "train.eval_batches=2", "--set", "train.log_every=1", "--set", "data.batch_size=4", "--quiet"]
-GREEDY = ["generate", "--prompt", "the cat", "--max-new-tokens", "40", "--temperature", "0", "--device", "cpu"]
-SAMPLED = ["generate", "--max-new-tokens", "30", "--num-samples", "2", "--seed", "3", "--device", "cpu"]
+GREEDY = ["generate", "--prompt", "the cat", "--max-new-tokens", "20", "--temperature", "0", "--device", "cpu"]
+SAMPLED = ["generate", "--max-new-tokens", "20", "--num-samples", "2", "--seed", "3", "--device", "cpu"]
 EVAL = ["eval", "--batch-size", "4", "--batches", "2", "--device", "cpu"]
 
 

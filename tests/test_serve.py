@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
+from scratchlm.generate.engine import Sampling, Sequence
 from scratchlm.model import TransformerLM
 from scratchlm.serve.commands import off_the_main_thread
-from scratchlm.serve.engine import Sampling, Sequence
 from serve_helpers import CONTEXT, EOS, MODEL_NAME, byte_tokenizer, httpx, serving, tiny_model, wait_until_idle
 
 openai = pytest.importorskip("openai", reason="the test extra's openai client is not installed")

@@ -13,11 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scratchlm.generate.sampling import generate, sample_next
+from scratchlm.generate import batch_cache
+from scratchlm.generate.decoding import generate
+from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, Sampling, Sequence, Token, _Row
+from scratchlm.generate.sampling import sample_next
+from scratchlm.generate.text import TextStream
 from scratchlm.model import KVCache
-from scratchlm.serve import batch_cache
-from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, Sampling, Sequence, Token, _Row
-from scratchlm.serve.text import TextStream
 from serve_helpers import CONTEXT, EOS, byte_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -288,7 +289,7 @@ def test_a_compiling_engine_gives_a_sequence_alone_what_generate_compile_gives_i
 def test_an_engine_that_cannot_decode_fails_its_start_and_every_request_with_the_reason(model, monkeypatch):
     """A server whose engine died must not look healthy: start() raises the reason (`serve` exits with it), and
     the engine refuses what is submitted after."""
-    from scratchlm.serve import engine as engine_module
+    from scratchlm.generate import engine as engine_module
 
     def broken_decoding(m, compile=False):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from scratchlm.generate.sampling import generate
+from scratchlm.generate.decoding import generate
 from serve_helpers import EOS, byte_tokenizer, serving, tiny_model
 
 websockets_client = pytest.importorskip("websockets.sync.client", reason="the test extra's websockets is missing")

@@ -181,13 +181,16 @@ def demo_config(paths: DemoPaths, recipe: Path, vocab_size: int, minutes: float,
 
 
 def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) -> str:
-    from scratchlm.generate.sampling import generate
+    """A story continuing PROMPT: up to `max_new_tokens` new tokens, as many as the model's context leaves."""
+    from scratchlm.generate.decoding import generate
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.train.checkpoint import load_for_inference
 
     tokenizer = Tokenizer.load(paths.tokenizer)
     model, _ = load_for_inference(paths.run)
-    new_ids = generate(model, tokenizer.encode(PROMPT), max_new_tokens, temperature=0.8, top_p=0.95,
+    prompt = tokenizer.encode(PROMPT)
+    max_new_tokens = min(max_new_tokens, model.config.context_length + 1 - len(prompt))
+    new_ids = generate(model, prompt, max_new_tokens, temperature=0.8, top_p=0.95,
                        eos_id=tokenizer.special_id(EOT), seed=seed)[0]
     return PROMPT + tokenizer.decode(new_ids)
 

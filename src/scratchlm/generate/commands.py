@@ -36,8 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate text with a trained model: temperature, top-k and nucleus (top-p) sampling, a KV "
                     "cache, stops at <|endoftext|>. An empty prompt starts a new document (<|endoftext|>).")
     parser.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
-    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="token budget per sample (default: 256)")
+    parser.add_argument("--prompt", action="append", help="text to continue (default: start a new document); "
+                        "give it again for more prompts, decoded together")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="token budget per sample (default: what the context leaves after the prompt, at most 256)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 disables (default: 0.9)")
     parser.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
@@ -60,7 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from scratchlm.errors import UserError
-    from scratchlm.generate.sampling import stream
+    from scratchlm.generate.decoding import generate, stream
     from scratchlm.train.setup import select_device
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
 
@@ -75,17 +77,31 @@ def run_generate(args: argparse.Namespace) -> int:
                         f"is --tokenizer the one this model was trained with?")
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
     say_if_not_compiled(args.compile, model, "scratchlm generate")
-    prompt_ids = tokenizer.encode(args.prompt) if args.prompt else ([eos_id] if eos_id is not None else [])
-    if not prompt_ids:
+    texts = args.prompt or [""]
+    prompts = [tokenizer.encode(text) if text else ([eos_id] if eos_id is not None else []) for text in texts]
+    if not all(prompts):
         raise UserError("empty --prompt and the tokenizer has no <|endoftext|> to start a document with")
-    for sample in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"--- sample {sample + 1}/{args.num_samples} ---")
-        # vocab_limit: a model's vocabulary may be padded past the tokenizer's, and those ids have no text
-        steps = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, eos_id=eos_id, seed=None if args.seed is None else args.seed + sample,
-                       vocab_limit=tokenizer.vocab_size, compile=args.compile)
-        write_stream(args.prompt, (step[0] for step in steps), tokenizer, sys.stdout)
+    context = model.config.context_length
+    max_new = args.max_new_tokens
+    if max_new is None:  # the last new token is never fed back: prompt + max_new - 1 fits the context
+        max_new = max(0, min(256, context + 1 - max(len(ids) for ids in prompts)))
+    # Every sample of every prompt decodes in one batch, row r seeded seed + r (one prompt: sample s, seed + s).
+    rows = [(text, ids) for text, ids in zip(texts, prompts) for _ in range(args.num_samples)]
+    # vocab_limit: a model's vocabulary may be padded past the tokenizer's, and those ids have no text
+    options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, eos_id=eos_id,
+                   vocab_limit=tokenizer.vocab_size, compile=args.compile)
+    try:
+        if len(rows) == 1:  # one sample: printed as it is sampled
+            steps = stream(model, prompts[0], max_new, seed=args.seed, **options)
+            write_stream(texts[0], (step[0] for step in steps), tokenizer, sys.stdout)
+            return 0
+        samples = generate(model, [ids for _, ids in rows], max_new, seed=args.seed, **options)
+    except ValueError as error:  # a prompt too long for the context with --max-new-tokens
+        raise UserError(str(error)) from None
+    for index, ((text, _), new) in enumerate(zip(rows, samples)):
+        print(f"--- prompt {index // args.num_samples + 1}, sample {index % args.num_samples + 1}"
+              f"/{args.num_samples} ---" if len(texts) > 1 else f"--- sample {index + 1}/{args.num_samples} ---")
+        write_stream(text, new, tokenizer, sys.stdout)
     return 0
 
 

@@ -1,11 +1,8 @@
-"""serve stage of scratchlm: an OpenAI-compatible completions server over a continuously batched decoder.
+"""serve stage of scratchlm: an OpenAI-compatible completions server over the decoding engine.
 
-- engine.py: the batched decoder. One thread owns the model; requests join the running batch between decoding
-  steps and leave it when they end, each with its own sampling settings (generate/sampling.py's rule).
-  It knows nothing of HTTP and can be driven directly.
-- batch_cache.py: the batch's `KVCache`, in buffers for max_batch rows: rows join (add), leave (keep) and
-  padding columns go (compact).
-- text.py: token ids -> text as it is sampled (incremental UTF-8) and stop strings.
+The engine is generate/engine.py, the one that generate() runs on: here it runs on a thread of its own, and
+requests join its batch between decoding steps and leave it when they end, each with its own sampling settings.
+What this package adds is the protocol and HTTP around it:
 - limits.py: the server's limits and their defaults.
 - protocol.py: the OpenAI completions protocol: request validation, response and error objects.
 - app.py: the FastAPI application (routes, API key, server-sent events, the playground page in static/).

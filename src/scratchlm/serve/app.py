@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve import protocol
-from scratchlm.serve.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve.limits import Limits
 from scratchlm.serve.protocol import APIError, CompletionRequest, Logprobs, error_body
 

@@ -93,8 +93,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     require("fastapi", "serve", "scratchlm serve")
     require("uvicorn", "serve", "scratchlm serve")
+    from scratchlm.generate.engine import Engine
     from scratchlm.serve.app import create_app
-    from scratchlm.serve.engine import Engine
     from scratchlm.serve.server import serve
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

@@ -13,7 +13,7 @@ import signal
 from contextlib import contextmanager
 
 from scratchlm.extras import require
-from scratchlm.serve.engine import Engine
+from scratchlm.generate.engine import Engine
 
 
 def serve(app, engine: Engine, host: str, port: int, *, log_level: str = "info",

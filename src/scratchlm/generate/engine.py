@@ -1,13 +1,14 @@
 """The continuously batched decoder: concurrent sequences decode together, joining and leaving between steps.
 
-One engine thread owns the model. `submit` puts sequences in a waiting queue (bounded: `QueueFull` past
-`max_queue`); before every decoding step the thread admits waiting sequences while the batch has fewer than
-`max_batch` rows, drops the rows that ended or were cancelled, and then decodes one token for every row in one
-forward pass over the shared KV cache (batch_cache.py). Each row samples with its own settings and its own
-`torch.Generator` by generate/sampling.py's rule (`probabilities`, one pass over the batch, then one draw per
-row), so a sequence alone on the engine makes the same forward calls and draws as `generate()` (one prefill,
-then one token per step) and gives the same tokens for the same seed; beside others too, as a row's
-distribution does not depend on the rows beside it.
+The one decoding engine of scratchlm: `generate()` and `scratchlm generate` drive it on the caller's thread
+(`decode`: the prompts given, to their ends), `scratchlm serve` on a thread of its own (`start`, `submit`),
+with the HTTP protocol in serve/ around it. Either way one thread owns the model. `submit` puts sequences in a
+waiting queue (bounded: `QueueFull` past `max_queue`); before every decoding step the engine admits waiting
+sequences while the batch has fewer than `max_batch` rows, drops the rows that ended or were cancelled, and then
+decodes one token for every row in one forward pass over the shared KV cache (batch_cache.py). Each row samples
+with its own settings and its own `torch.Generator` by sampling.py's rule (`probabilities`, one pass over the
+batch, then one draw per row), so a row's tokens do not depend on the rows beside it: a sequence gives the same
+tokens for the same seed alone or in a batch, through generate() or the server.
 
 A joining sequence is prefilled alone, into a one-row scratch cache, then copied into the batch's cache
 (batch_cache.py: buffers for max_batch rows, allocated once with the engine and filled as rows use them).
@@ -28,16 +29,16 @@ import collections
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from scratchlm.generate import batch_cache
 from scratchlm.generate.sampling import draw, probabilities
+from scratchlm.generate.text import TextStream
 from scratchlm.model import KVCache, TransformerLM, kernels
 from scratchlm.model.kernels import compiled_step
-from scratchlm.serve import batch_cache
-from scratchlm.serve.text import TextStream
 from scratchlm.tokenizer import Tokenizer
 
 log = logging.getLogger("scratchlm.serve")
@@ -105,26 +106,30 @@ class Sequence:
 class _Row:
     """A sequence in the batch: its generator, text, token count and the token to feed next."""
 
-    def __init__(self, sequence: Sequence, tokenizer: Tokenizer, device: torch.device) -> None:
+    def __init__(self, sequence: Sequence, tokenizer: Tokenizer | None, device: torch.device) -> None:
         self.sequence = sequence
         self.sampling = sequence.sampling
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.text = TextStream(tokenizer, self.sampling.stop)
+        self.text = TextStream(tokenizer, self.sampling.stop) if tokenizer is not None else None  # None: ids only
         self.generated = 0
         self.last = -1
         self.done = False
 
 
 class Engine:
-    def __init__(self, model: TransformerLM, tokenizer: Tokenizer, *, eos_id: int | None, max_batch: int = 16,
-                 max_queue: int = 64, compile: bool = False) -> None:
-        if tokenizer.vocab_size > model.config.vocab_size:
+    def __init__(self, model: TransformerLM, tokenizer: Tokenizer | None, *, eos_id: int | None, max_batch: int = 16,
+                 max_queue: int = 64, compile: bool = False, vocab_limit: int | None = None) -> None:
+        """tokenizer None: token ids only (no text, no stop strings), the ids of the model's vocabulary, sampled
+        below `vocab_limit` (default: the model's vocab_size); with a tokenizer, its ids (`vocab_limit` is its
+        vocab_size: a padded model vocabulary has ids without text)."""
+        if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
         self.max_batch, self.max_queue = max_batch, max_queue
         self.compile = compile  # decode a bf16 model's steps through torch.compile (model/kernels/compiled_step.py)
-        self.vocab_limit = tokenizer.vocab_size  # a padded model vocabulary has ids without text
+        self.prompt_limit = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
+        self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else vocab_limit or self.prompt_limit
         self.device = model.lm_head.weight.device
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._wakeup = threading.Condition()
@@ -150,6 +155,18 @@ class Engine:
             raise RuntimeError(self.failure)
         return self
 
+    def decode(self, sequences: list[Sequence]) -> Iterator[None]:
+        """Decode `sequences` to their ends on the calling thread, without the engine thread (generate()'s way),
+        yielding after each step; their events reach their `emit` as on the thread. The speed paths are on while
+        it runs and off when it ends or the caller drops it."""
+        self.submit(sequences)
+        with kernels.decoding(self.model, compile=self.compile) as forward:
+            self._forward = forward
+            while self._waiting or self._rows:
+                with torch.inference_mode():  # per step: the caller's code between steps runs as it would
+                    self._step()
+                yield
+
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue all of `sequences`, or none (ValueError for a bad one, QueueFull, RuntimeError once stopping)."""
         for sequence in sequences:
@@ -165,12 +182,13 @@ class Engine:
             self._wakeup.notify()
 
     def check(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """A ValueError unless the prompt is token ids of the tokenizer and it fits the context with max_tokens."""
+        """A ValueError unless the prompt is token ids of the tokenizer (the model) and it fits the context with
+        max_tokens: there is no sliding window, so what cannot fit is refused before any work."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if any(type(token) is not int or not 0 <= token < self.vocab_limit for token in prompt_ids):
-            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_limit)
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_limit})")
+        if any(type(token) is not int or not 0 <= token < self.prompt_limit for token in prompt_ids):
+            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < self.prompt_limit)
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.prompt_limit})")
         context = self.model.config.context_length
         if len(prompt_ids) + max(max_tokens - 1, 0) > context:  # the last token sampled is never fed back
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, more than "
@@ -318,8 +336,8 @@ class Engine:
                 continue
             row.generated += 1
             row.last = token
-            row.sequence.emit(Token(token, row.text.add(token), logprob, top))
-            if row.text.stopped:
+            row.sequence.emit(Token(token, row.text.add(token) if row.text else "", logprob, top))
+            if row.text and row.text.stopped:
                 self._finish(row, "stop")
             elif row.generated >= row.sampling.max_tokens:
                 self._finish(row, "length")
@@ -344,7 +362,7 @@ class Engine:
 
     def _finish(self, row: _Row, reason: str) -> None:
         row.done = True
-        row.sequence.emit(Finished(reason, row.text.finish(), row.generated))
+        row.sequence.emit(Finished(reason, row.text.finish() if row.text else "", row.generated))
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """log-softmax over the tokenizer's ids, in float32: the model's own distribution (no temperature)."""
