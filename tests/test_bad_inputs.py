@@ -211,6 +211,7 @@ def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     (["--checkpoint", "{T}/run", "--tokenizer", "{T}/missing"], "tokenizer directory {T}/missing not found"),
     (["--checkpoint", "{T}/corpus.txt"], "{T}/corpus.txt is neither a checkpoint directory"),
     (["--checkpoint", "{T}/run", "--num-samples", "0"], "--num-samples must be at least 1"),
+    (["--checkpoint", "{T}/run", "--max-new-tokens", "1000"], "max_tokens is 1000, more than the model's context of"),
 ])
 def test_generate(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["generate", "--prompt", "the cat", "--max-new-tokens", "3", *argv], message)

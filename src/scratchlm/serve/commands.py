@@ -146,9 +146,9 @@ def off_the_main_thread(work: Callable[[], T]) -> T:
     Why: the engine thread decodes with torch's OpenMP threads, and GNU OpenMP keeps a team of worker threads
     for every thread that ran a parallel op. Once the teams' threads outnumber the cores, it stops spinning
     between parallel ops and puts its workers to sleep after each one, so every op pays a wake-up: on a 2-core
-    machine, an (8, 10000) add took 70 us instead of 5 on the engine thread after the main thread had loaded
-    the model, and a tinystories-17m decoding step 6.8 ms instead of 4.3. A thread's team ends with the thread,
-    so the model is loaded on a thread of its own and the main thread (uvicorn's) runs no parallel torch op."""
+    machine, small ops on the engine thread then cost many times what they cost otherwise (docs/serving.md). A
+    thread's team ends with the thread, so the model is loaded on a thread of its own and the main thread
+    (uvicorn's) runs no parallel torch op."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="scratchlm-load") as pool:
         return pool.submit(work).result()
 

@@ -1,12 +1,11 @@
 """``train.dtype = "auto"``: bf16 autocast where the hardware has bf16 arithmetic, else fp32.
 
 Why: bf16 autocast multiplies at about twice fp32's rate on hardware with bf16 units (CUDA GPUs since Ampere,
-CPUs with AVX512-BF16 or AMX: a modern-recipe step took 0.64 s in bf16 against 1.66 s in fp32 on a Zen 4 EPYC)
-and far below it where bf16 is emulated (an AVX2-only CPU: 35.8 s against 1.35 s), while the loss a step buys
-is nearly the same (docs/recipes.md). Under a time budget more steps is more quality. The hardware answers the
-question, so nothing is timed: a budget is spent training, not probing a dtype the CPU cannot run. The choice is
-the run's: config.toml records the dtype it took, so a resume (and every rank under torch.distributed) trains
-the same one.
+CPUs with AVX512-BF16 or AMX) and many times slower where bf16 is emulated (AVX2-only CPUs), while the loss a
+step buys is nearly the same (figures: docs/recipes.md). Under a time budget more steps is more quality. The
+hardware answers the question, so nothing is timed: a budget is spent training, not probing a dtype the CPU
+cannot run. The choice is the run's: config.toml records the dtype it took, so a resume (and every rank under
+torch.distributed) trains the same one.
 """
 
 from __future__ import annotations

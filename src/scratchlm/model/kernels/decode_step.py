@@ -2,8 +2,8 @@
 generate() and serve.
 
 Wins on: CPUs, for the small models this project trains, where a decoding step is bound as much by the number of
-tensor ops as by streaming the weights: tinystories-17m at batch 1 decodes 1.3-1.5x as many tokens a second
-through this step as through the model's forward with the same kernels (docs/benchmarks.md). It computes what
+tensor ops as by streaming the weights, so fewer, larger ops decode more tokens a second than the model's
+forward with the same kernels (figures: docs/benchmarks.md). It computes what
 `model(ids (B, T), kv_cache=cache, last_only=True)` computes for a pre-norm model, piece by piece with the model's
 own pieces: its norms, QK-norm, RoPE (`rope.angles`, `rope.rotated`), attention core, FFN activation (`hidden`),
 soft-cap, under whatever kernels are installed on them (`kernels.decoding` installs the fused norm and the

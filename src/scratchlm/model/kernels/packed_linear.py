@@ -5,8 +5,8 @@ few-row products far below the cores' peak, while oneDNN's JIT kernels, given ea
 their blocked layout, run them near memory speed. The rule below is the one measured end to end (bench_generate,
 tinystories-17m, on AVX2 and AVX-512; figures in docs/benchmarks.md), fixed rather than timed at start-up, so
 the same machine always decodes the same way:
-- float32 weights are packed for steps of 2 rows and more (1.3-1.7x the tokens/s of unpacked at 8 rows); a
-  single row multiplies unpacked (few_rows_linear.py), as fast or faster;
+- float32 weights are packed for steps of 2 rows and more; a single row multiplies unpacked
+  (few_rows_linear.py), as fast or faster;
 - bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`: half the bytes
   to stream), else as float32 copies with the inputs upcast and the product rounded back once: what a bf16
   matmul computes (float32 sums, one rounding), without emulating bf16 arithmetic. fp16 weights as float32.
