@@ -40,7 +40,7 @@ def test_relu2_ffn_is_w2_relu_squared_w1():
 def test_qk_norm_normalises_each_heads_q_and_k_before_rope():
     torch.manual_seed(0)
     d, heads, T = 32, 4, 7
-    attn = MultiHeadSelfAttention(d, heads, max_seq_len=16, theta=10_000.0, qk_norm=True)
+    attn = MultiHeadSelfAttention(ModelConfig(d_model=d, num_heads=heads, context_length=16, qk_norm=True))
     with torch.no_grad():
         attn.q_norm.weight.uniform_(0.5, 2.0)
         attn.k_norm.weight.uniform_(0.5, 2.0)

@@ -61,7 +61,8 @@ def _attention_weights(q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> dict[str, 
 
 def run_multihead_self_attention(d_model: int, num_heads: int, q_proj_weight: Tensor, k_proj_weight: Tensor,
                                  v_proj_weight: Tensor, o_proj_weight: Tensor, in_features: Tensor) -> Tensor:
-    attention = MultiHeadSelfAttention(d_model, num_heads, max_seq_len=in_features.shape[-2])
+    config = ModelConfig(d_model=d_model, num_heads=num_heads, context_length=in_features.shape[-2], position="nope")
+    attention = MultiHeadSelfAttention(config)
     weights = _attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight)
     return _with_weights(attention, weights)(in_features)
 
@@ -70,7 +71,8 @@ def run_multihead_self_attention_with_rope(d_model: int, num_heads: int, max_seq
                                            q_proj_weight: Tensor, k_proj_weight: Tensor, v_proj_weight: Tensor,
                                            o_proj_weight: Tensor, in_features: Tensor,
                                            token_positions: Tensor | None = None) -> Tensor:
-    attention = MultiHeadSelfAttention(d_model, num_heads, max_seq_len=max_seq_len, theta=theta)
+    config = ModelConfig(d_model=d_model, num_heads=num_heads, context_length=max_seq_len, rope_theta=theta)
+    attention = MultiHeadSelfAttention(config)
     weights = _attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight)
     return _with_weights(attention, weights)(in_features, token_positions)
 
@@ -81,7 +83,8 @@ def run_rope(d_k: int, theta: float, max_seq_len: int, in_query_or_key: Tensor, 
 
 def run_transformer_block(d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float,
                           weights: dict[str, Tensor], in_features: Tensor) -> Tensor:
-    block = TransformerBlock(d_model, num_heads, d_ff, max_seq_len=max_seq_len, theta=theta)
+    config = ModelConfig(d_model=d_model, num_heads=num_heads, d_ff=d_ff, context_length=max_seq_len, rope_theta=theta)
+    block = TransformerBlock(config)
     return _with_weights(block, weights)(in_features)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import Linear, RMSNorm, softmax
 
@@ -59,6 +60,14 @@ class Llama3Scaling:
     low_freq_factor: float
     high_freq_factor: float
     original_context: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Llama3Scaling | None:
+        """The scaling `config` asks for (rope_scaling = llama3), or None."""
+        if config.rope_scaling == "none":
+            return None
+        return cls(config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+                   config.rope_original_context)
 
     def __call__(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """The scaled inverse frequencies ω (d_k/2,)."""
@@ -162,35 +171,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class MultiHeadSelfAttention(nn.Module):
-    """Causal MHSA, or grouped-query attention with num_kv_heads < num_heads. theta=None means no position
-    encoding (the "nope" ablation). head_dim None: d_model / num_heads; num_kv_heads None: num_heads."""
+    """Causal MHSA, or grouped-query attention with num_kv_heads < num_heads, as `config` (a ModelConfig) shapes
+    it: d_model, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm (with norm_eps), and the position encoding
+    (position = rope | nope; rope_theta and rope_scaling; a table of context_length positions)."""
 
-    def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
-                 qk_norm: bool = False, norm_eps: float = 1e-5, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, qkv_bias: bool = False, rope_scaling: Llama3Scaling | None = None,
-                 device=None, dtype=None) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
-        if head_dim is None and d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads}), or give head_dim")
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        if theta is not None and max_seq_len is None:
-            raise ValueError("RoPE (theta given) needs max_seq_len for its rotation table")
-        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
-        self.head_dim = d_model // num_heads if head_dim is None else head_dim
-        self.max_seq_len = max_seq_len
-        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.q_proj = Linear(d_model, q_size, bias=qkv_bias, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, kv_size, bias=qkv_bias, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, kv_size, bias=qkv_bias, device=device, dtype=dtype)
-        self.output_proj = Linear(q_size, d_model, device=device, dtype=dtype)
-        self.rope = None if theta is None else RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device,
-                                                                         scaling=rope_scaling)
+        self.d_model, self.num_heads, self.num_kv_heads = config.d_model, config.num_heads, config.num_kv_heads
+        self.head_dim, self.max_seq_len = config.head_dim, config.context_length
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.qkv_bias
+        self.q_proj = Linear(self.d_model, q_size, bias=bias, device=device, dtype=dtype)
+        self.k_proj = Linear(self.d_model, kv_size, bias=bias, device=device, dtype=dtype)
+        self.v_proj = Linear(self.d_model, kv_size, bias=bias, device=device, dtype=dtype)
+        self.output_proj = Linear(q_size, self.d_model, device=device, dtype=dtype)
+        self.rope = None
+        if config.position == "rope":
+            self.rope = RotaryPositionalEmbedding(config.rope_theta, self.head_dim, self.max_seq_len, device,
+                                                  scaling=Llama3Scaling.of(config))
         # QK-norm: each head's q and k scaled to unit RMS (times a learned gain) before RoPE, so a score q·k/√d_k
         # cannot grow with the weights' scale: attention logits stay bounded and high learning rates stay stable.
-        self.q_norm = RMSNorm(self.head_dim, norm_eps, device=device, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps, device=device, dtype=dtype) if qk_norm else None
+        eps = config.norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, device=device, dtype=dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, device=device, dtype=dtype) if config.qk_norm else None
         self.attention_core = causal_attention  # model/kernels/ may swap in a faster core with the same contract
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scratchlm.model.attention import Llama3Scaling, MultiHeadSelfAttention
+from scratchlm.model.attention import MultiHeadSelfAttention
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import Embedding, Linear, check_index_dtype, make_norm, relu_squared, silu
@@ -99,22 +99,16 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm: x + attn(ln1(x)), then + ffn(ln2(·)). Post-norm: ln1(x + attn(x)), then ln2(· + ffn(·))."""
+    """Pre-norm: x + attn(ln1(x)), then + ffn(ln2(·)). Post-norm: ln1(x + attn(x)), then ln2(· + ffn(·)). Shaped
+    by `config` (a ModelConfig): norm, norm_position, norm_eps, ffn, d_ff, and the attention's fields."""
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int | None = None,
-                 theta: float | None = None, norm: str = "rmsnorm", norm_position: str = "pre",
-                 ffn: str = "swiglu", norm_eps: float = 1e-5, qk_norm: bool = False, device=None,
-                 dtype=None, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 qkv_bias: bool = False, rope_scaling: Llama3Scaling | None = None) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
-        self.pre_norm = norm_position == "pre"
-        self.ln1 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
-        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, qk_norm=qk_norm,
-                                           norm_eps=norm_eps, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           qkv_bias=qkv_bias, rope_scaling=rope_scaling, device=device,
-                                           dtype=dtype)
-        self.ln2 = make_norm(norm, d_model, norm_eps, device=device, dtype=dtype)
-        self.ffn = FFN_CLASSES[ffn](d_model, d_ff, device=device, dtype=dtype)
+        self.pre_norm = config.norm_position == "pre"
+        self.ln1 = make_norm(config.norm, config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.attn = MultiHeadSelfAttention(config, device=device, dtype=dtype)
+        self.ln2 = make_norm(config.norm, config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.ffn = FFN_CLASSES[config.ffn](config.d_model, config.d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 layer_index: int = 0, key_padding: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,17 +128,8 @@ class TransformerLM(nn.Module):
         if config.vocab_size is None:  # a training config may leave it to the tokenizer; a model cannot
             raise ValueError("model.vocab_size is not set: give it, or let `scratchlm train` take the tokenizer's")
         self.config = config
-        theta = config.rope_theta if config.position == "rope" else None
-        scaling = None if config.rope_scaling == "none" else Llama3Scaling(
-            config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
-            config.rope_original_context)
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(
-            TransformerBlock(config.d_model, config.num_heads, config.d_ff, config.context_length, theta,
-                             config.norm, config.norm_position, config.ffn, config.norm_eps, config.qk_norm,
-                             device, dtype, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                             qkv_bias=config.qkv_bias, rope_scaling=scaling)
-            for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, device, dtype) for _ in range(config.num_layers))
         self.ln_final = make_norm(config.norm, config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
