@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def resolve_model_config(args: argparse.Namespace):
     """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.compat.cs336_commands import shape_run_config
+    from scratchlm.model_args import shape_run_config
 
     preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
     return shape_run_config(args.config, preset, args.overrides, "accounting").model

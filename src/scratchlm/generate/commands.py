@@ -15,8 +15,8 @@ import codecs
 import sys
 from pathlib import Path
 
-from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
 from scratchlm.config import TORCH_DTYPE_NAMES
+from scratchlm.model_args import add_cs336_checkpoint_arguments, load_model_for_command
 
 EOS_TOKEN = "<|endoftext|>"
 DTYPES = ("fp32", "bf16")  # train.dtype names (config.TORCH_DTYPE_NAMES): weights and KV cache

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scratchlm.compat.cs336_commands import add_cs336_checkpoint_arguments, load_model_for_command
+from scratchlm.model_args import add_cs336_checkpoint_arguments, load_model_for_command
 from scratchlm.paths import DEFAULT_RECIPE
 
 TRAIN_EPILOG = """examples:
