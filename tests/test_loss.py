@@ -75,3 +75,26 @@ def test_perplexity():
     assert perplexity(0.0) == 1.0
     assert perplexity(torch.tensor(math.log(10.0))) == pytest.approx(10.0)
     assert perplexity(1e6) == math.inf
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ignored_targets_match_torch(reduction):
+    """Targets equal to IGNORED count for nothing, in the loss and its gradient, as F.cross_entropy's ignore_index."""
+    from scratchlm.train.loss import IGNORED
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, 19, dtype=torch.float64, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 19, (4, 6), generator=generator)
+    targets[torch.rand(4, 6, generator=generator) < 0.5] = IGNORED
+    ours = cross_entropy(logits, targets, ignore_index=IGNORED, reduction=reduction)
+    theirs = F.cross_entropy(logits.reshape(-1, 19), targets.reshape(-1), ignore_index=IGNORED, reduction=reduction)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(theirs, logits)[0])
+
+
+def test_all_targets_ignored_is_nan_as_torch():
+    from scratchlm.train.loss import IGNORED
+
+    targets = torch.full((3,), IGNORED)
+    assert torch.isnan(cross_entropy(torch.randn(3, 5), targets, ignore_index=IGNORED))
+    assert cross_entropy(torch.randn(3, 5), targets, ignore_index=IGNORED, reduction="sum").item() == 0.0

@@ -8,8 +8,10 @@
   True = may attend. A query whose keys are ALL masked returns zeros, not NaN: that happens at left-padding
   positions of a batch, whose outputs are never used, but NaNs there would still poison the backward pass. Only
   one (T_q, T_k) tensor per call is kept for backward, the softmax output, as in Hugging Face's eager attention.
-- `causal_attention(q, k, v, key_padding)`: the attention of a decoder, built on it: each query sees itself and
-  the keys before it (and, with a KV cache, every cached key), never a padding key.
+- `causal_attention(q, k, v, key_padding, documents)`: the attention of a decoder, built on it: each query sees
+  itself and the keys before it (and, with a KV cache, every cached key), never a padding key, and with
+  `documents` (B, T) only the keys of its own document: several documents packed into one row (fine-tuning's
+  conversations) are then computed exactly as each alone (the model restarts their RoPE positions too).
 - `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names),
   optional q/k/v biases, optional QK-norm, RoPE, an optional KV cache for decoding. With grouped-query
   attention (num_kv_heads < num_heads; 1 = multi-query) K and V have only num_kv_heads heads, each shared by
@@ -143,15 +145,19 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     return (weights @ V).masked_fill(empty, 0.0)  # get no weight
 
 
-def causal_mask(T_q: int, T_k: int, key_padding: torch.Tensor | None, device) -> torch.Tensor | None:
+def causal_mask(T_q: int, T_k: int, key_padding: torch.Tensor | None, device,
+                documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """Which keys the last T_q of T_k positions may attend: keys at or before their own position, and (with
-    key_padding (B, >= T_k), True = real token; a KV cache's is as long as the cache) no padding. Bool (T_q, T_k),
-    or (B, 1, T_q, T_k) with padding (the 1 broadcasts over heads); None when nothing is masked (a single query
-    sees every key before it)."""
-    if T_q == 1:  # a single query, the last position, sees every key before it: only padding is masked
+    key_padding (B, >= T_k), True = real token; a KV cache's is as long as the cache) no padding, and (with
+    documents (B, T_k), ids of the packed document each position belongs to) only keys of the query's own
+    document. Bool (T_q, T_k), or (B, 1, T_q, T_k) with padding or documents (the 1 broadcasts over heads); None
+    when nothing is masked (a single query sees every key before it)."""
+    if T_q == 1 and documents is None:  # a single query, the last position, sees every key before it
         return None if key_padding is None else key_padding[:, None, None, :T_k]
-    causal = torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=T_k - T_q)
-    return causal if key_padding is None else causal & key_padding[:, None, None, :T_k]
+    mask = torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=T_k - T_q)
+    if documents is not None:  # a block-diagonal causal mask: query i and key j of the same document
+        mask = mask & (documents[:, None, T_k - T_q:, None] == documents[:, None, None, :T_k])  # (B, 1, T_q, T_k)
+    return mask if key_padding is None else mask & key_padding[:, None, None, :T_k]
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -160,14 +166,15 @@ def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-3)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: torch.Tensor | None = None,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, T_q, d_k) are the last T_q of the T_k positions of k, v (B, H_kv, T_k, d), H_kv dividing H (each
     KV head serves a group of H / H_kv consecutive query heads): -> (B, H, T_q, d_v). key_padding (B, >= T_k)
-    bool, True = real token."""
+    bool, True = real token; documents (B, T_k) int, the packed document of each position (causal_mask)."""
     group = q.shape[-3] // k.shape[-3]
     k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)  # (B, H, T_k, d): each KV head per group
-    return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device))
+    mask = causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device, documents)
+    return scaled_dot_product_attention(q, k, v, mask)
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -198,12 +205,13 @@ class MultiHeadSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, layer_index: int = 0,
-                key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                key_padding: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, d_model) -> (B, T, d_model).
 
         token_positions (T,) or (B, T): RoPE positions (default: past length + arange(T)).
         kv_cache: keys/values of earlier calls; this call appends its own (the model advances the length).
         key_padding (B, T_k) bool, True = real token: keys that are padding are never attended.
+        documents (B, T) int: each query attends only keys of its own document (packed sequences, no cache).
         """
         past = kv_cache.length if kv_cache is not None else 0
         if self.max_seq_len is not None and past + x.shape[-2] > self.max_seq_len:
@@ -220,7 +228,10 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.rope(q, positions, start=past), self.rope(k, positions, start=past)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_index, k, v)  # (B, H_kv, past + T, d_k): the cache holds the KV heads only
-        out = self.attention_core(q, k, v, key_padding)  # (B, H, T, d_k)
+        if documents is None:  # the contract's short form: a decoding core need not know of documents
+            out = self.attention_core(q, k, v, key_padding)  # (B, H, T, d_k)
+        else:
+            out = self.attention_core(q, k, v, key_padding, documents)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, H·d_k) -> (B, T, d_model)
 
     def _heads(self, projected: torch.Tensor, heads: int) -> torch.Tensor:

@@ -111,13 +111,22 @@ class TransformerBlock(nn.Module):
         self.ffn = FFN_CLASSES[config.ffn](config.d_model, config.d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                layer_index: int = 0, key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                layer_index: int = 0, key_padding: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, d_model) -> (B, T, d_model)."""
         if self.pre_norm:
-            x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_index, key_padding)
+            x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_index, key_padding, documents)
             return x + self.ffn(self.ln2(x))
-        x = self.ln1(x + self.attn(x, token_positions, kv_cache, layer_index, key_padding))
+        x = self.ln1(x + self.attn(x, token_positions, kv_cache, layer_index, key_padding, documents))
         return self.ln2(x + self.ffn(x))
+
+
+def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions that restart at 0 where a document starts: [7, 7, 7, 9, 9] -> [0, 1, 2, 0, 1]."""
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)  # (B, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=-1).values  # minus where each one's document starts
 
 
 class TransformerLM(nn.Module):
@@ -148,15 +157,19 @@ class TransformerLM(nn.Module):
 
     def forward(self, in_indices: torch.Tensor, *, token_positions: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """in_indices (B, T) int; token_positions (T,) or (B, T); attention_mask (B, T) bool, True = real token.
+                document_ids: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """in_indices (B, T) int; token_positions (T,) or (B, T); attention_mask (B, T) bool, True = real token;
+        document_ids (B, T) int, the document each position belongs to when several are packed into a row.
 
         With `attention_mask` (left padding) and no explicit positions, each row's real tokens get positions
         0, 1, 2, ...; padding is never attended. With `kv_cache`, the new tokens continue the cached ones.
+        With `document_ids` (training on packed sequences, no cache) a token attends only to its own document's
+        tokens and, without explicit positions, each document's tokens get positions 0, 1, 2, ...: every
+        document's logits are those of the document alone.
         `last_only=True` returns only the last position's logits (B, 1, V): all that sampling after a prefill
         needs; the output projection over every prompt position is ~30% of a tinystories-17m prefill.
         """
-        self._validate(in_indices, token_positions, attention_mask, kv_cache)
+        self._validate(in_indices, token_positions, attention_mask, kv_cache, document_ids)
         key_padding = attention_mask
         if kv_cache is not None:
             kv_cache.check_room(in_indices.shape[1], in_indices.shape[0])
@@ -168,20 +181,23 @@ class TransformerLM(nn.Module):
             key_padding = kv_cache.key_padding if kv_cache.has_padding else None
         elif attention_mask is not None and token_positions is None:
             token_positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+        if document_ids is not None and token_positions is None:
+            token_positions = positions_in_documents(document_ids)
 
         x = self.token_embeddings(in_indices)  # (B, T, d_model)
         for index, layer in enumerate(self.layers):
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled() and kv_cache is None:
-                x = checkpoint(layer, x, token_positions, None, index, key_padding, use_reentrant=False)
+                x = checkpoint(layer, x, token_positions, None, index, key_padding, document_ids,
+                               use_reentrant=False)
             else:
-                x = layer(x, token_positions, kv_cache, index, key_padding)
+                x = layer(x, token_positions, kv_cache, index, key_padding, document_ids)
         if kv_cache is not None:
             kv_cache.advance(in_indices.shape[1], attention_mask)
         if last_only:
             x = x[:, -1:]
         return softcap(self.lm_head(self.ln_final(x)), self.config.logit_softcap)  # (B, T, V); T = 1: last_only
 
-    def _validate(self, in_indices, token_positions, attention_mask, kv_cache) -> None:
+    def _validate(self, in_indices, token_positions, attention_mask, kv_cache, document_ids) -> None:
         """Shape, dtype and KV-cache checks always (O(1), no sync); value ranges only when `check_inputs` (they
         sync on GPU)."""
         cfg = self.config
@@ -199,6 +215,11 @@ class TransformerLM(nn.Module):
                                            or attention_mask.dtype != torch.bool):
             raise ValueError(f"attention_mask must be a bool tensor shaped like in_indices "
                              f"{tuple(in_indices.shape)}, got {tuple(attention_mask.shape)} {attention_mask.dtype}")
+        if document_ids is not None:
+            if kv_cache is not None or tuple(document_ids.shape) != (batch, seq):
+                raise ValueError(f"document_ids must be shaped like in_indices ({batch}, {seq}) and come without a "
+                                 f"kv_cache, got {tuple(document_ids.shape)}")
+            check_index_dtype("document_ids", document_ids)
         if token_positions is not None:
             check_index_dtype("token_positions", token_positions)
             shape = tuple(token_positions.shape)

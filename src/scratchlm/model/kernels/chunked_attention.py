@@ -27,11 +27,12 @@ CHUNK_ELEMENTS = 1 << 19  # scores per chunk on CPU: 2 MiB in float32, within a 
 
 
 def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                             key_padding: torch.Tensor | None = None,
+                             documents: torch.Tensor | None = None) -> torch.Tensor:
     """`attention.causal_attention`, in chunks (K and V repeated over their groups of query heads first)."""
     group = q.shape[-3] // k.shape[-3]
     k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)
-    return chunked_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device))
+    return chunked_attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2], key_padding, q.device, documents))
 
 
 def chunked_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,

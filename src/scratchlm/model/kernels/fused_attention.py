@@ -16,14 +16,15 @@ from scratchlm.model.attention import causal_mask, repeat_kv_heads
 
 
 def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                           key_padding: torch.Tensor | None = None,
+                           documents: torch.Tensor | None = None) -> torch.Tensor:
     """`attention.causal_attention` through torch's SDPA (K and V repeated over their groups of query heads first)."""
     group = q.shape[-3] // k.shape[-3]
     k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)
     T_q, T_k = q.shape[-2], k.shape[-2]
-    if key_padding is None and T_q == T_k:  # no cache, no padding: the plain causal mask, known to the kernel
+    if key_padding is None and documents is None and T_q == T_k:  # the plain causal mask, known to the kernel
         return torch_sdpa(q, k, v, is_causal=True)
-    mask = causal_mask(T_q, T_k, key_padding, q.device)
+    mask = causal_mask(T_q, T_k, key_padding, q.device, documents)
     if mask is None:
         return torch_sdpa(q, k, v)
     # For a query whose keys are all masked, some torch versions and backends give NaN (and NaN gradients to every
