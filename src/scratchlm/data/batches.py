@@ -12,6 +12,9 @@
 - ``validation_batches``: the whole validation file (or its first ``max_batches``) as consecutive,
   non-overlapping windows, in order: the same sample every evaluation, so validation curves are comparable.
 
+- ``MaskedBatch``: a fine-tuning batch (finetune/packing.py makes them): targets the loss skips are ``IGNORED``,
+  and ``document_ids`` keep packed conversations apart.
+
 On CUDA the host batch is pinned and copied with ``non_blocking=True`` so the copy overlaps GPU work.
 """
 
@@ -19,12 +22,21 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 STATE_VERSION = 1
+
+
+class MaskedBatch(NamedTuple):
+    """inputs (B, T), targets (B, T) with train.loss.IGNORED where the loss counts nothing, document_ids (B, T) of
+    packed rows (the document each position belongs to; None: one document a row)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    document_ids: torch.Tensor | None
 MALFORMED_STATE = "BatchSampler: the checkpoint's sampler state is malformed"
 
 

@@ -184,12 +184,22 @@ def _text_documents(source: Source, errors: str, end_of_text: str | None) -> Ite
 
 
 def _json_documents(source: Source, text_field: str, errors: str) -> Iterator[str]:
+    for where, record in read_json_records(source, errors=errors):
+        yield _field_text(record, text_field, where)
+
+
+def read_json_records(source: Source, *, errors: str = "strict") -> Iterator[tuple[str, object]]:
+    """(where, record) of each JSON record of a ``.jsonl`` / ``.json`` source (a JSON array, or JSON lines; blank
+    lines skipped): ``where`` is ``FILE:LINE`` (``FILE: record N`` in an array), for messages about the record.
+    Malformed JSON is a ValueError naming the file and line."""
+    if source.format not in ("jsonl", "json"):
+        raise ValueError(f"{source.path}: expected JSON lines (.jsonl) or JSON (.json), not a {source.format} file")
     lines = _text_lines(source, errors)
     first = next(lines, None)
     if first is None:
         return
     if source.format == "json" and first[1].lstrip().startswith("["):
-        yield from _json_array_documents(source, first[1] + "".join(line for _, line in lines), text_field)
+        yield from _json_array_records(source, first[1] + "".join(line for _, line in lines))
         return
     for number, line in _chain_first(first, lines):
         if not line.strip():
@@ -198,7 +208,7 @@ def _json_documents(source: Source, text_field: str, errors: str) -> Iterator[st
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{source.path}:{number}: malformed JSON ({error.msg}, column {error.colno})") from None
-        yield _field_text(record, text_field, f"{source.path}:{number}")
+        yield f"{source.path}:{number}", record
 
 
 def _chain_first(first: tuple[int, str], rest: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
@@ -227,7 +237,7 @@ def _text_lines(source: Source, errors: str) -> Iterator[tuple[int, str]]:
             yield number, text
 
 
-def _json_array_documents(source: Source, text: str, text_field: str) -> Iterator[str]:
+def _json_array_records(source: Source, text: str) -> Iterator[tuple[str, object]]:
     try:
         records = json.loads(text)
     except json.JSONDecodeError as error:
@@ -235,7 +245,7 @@ def _json_array_documents(source: Source, text: str, text_field: str) -> Iterato
     if not isinstance(records, list):
         raise ValueError(f"{source.path}: expected a JSON array of objects or JSON lines")
     for index, record in enumerate(records):
-        yield _field_text(record, text_field, f"{source.path}: record {index}")
+        yield f"{source.path}: record {index}", record
 
 
 def _field_text(record: object, text_field: str, where: str) -> str:

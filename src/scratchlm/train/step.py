@@ -12,6 +12,9 @@ Design:
   multiplies the loss before backward and divides the gradients before clipping, and skips (with a smaller
   scale) a step whose gradients overflowed. Such a step reports grad norm 0, since nothing was applied: an
   overflow is the scaler's business, not divergence (a diverging loss still shows).
+- Fine-tuning's batches (``MaskedBatch``) count only some targets: each micro-batch's summed loss is divided by
+  the counted targets of the whole step, so every counted token weighs the same however the micro-batches split
+  them, and the model gets their document ids (packed conversations attend only within themselves).
 - Data-parallel wrappers are handled here without knowing which is in use: gradients are reduced on the last
   micro-batch only (``distributed.no_gradient_sync``: DDP's no_sync, FSDP2's requires_gradient_sync), and FSDP2's
   replicated grad norm is turned back into a plain tensor.
@@ -27,11 +30,11 @@ import torch
 from torch import nn
 
 from scratchlm.config import RunConfig
-from scratchlm.data.batches import validation_batches
+from scratchlm.data.batches import MaskedBatch, validation_batches
 from scratchlm.optim.clip import clip_gradients
 from scratchlm.optim.schedule import Replanned, lr_cosine_schedule, lr_wsd_schedule
 from scratchlm.train import distributed
-from scratchlm.train.loss import cross_entropy
+from scratchlm.train.loss import IGNORED, cross_entropy
 
 
 def learning_rate(step: int, config: RunConfig, replanned: Replanned | None = None) -> float:
@@ -57,10 +60,11 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
                           enabled=dtype in AUTOCAST_DTYPES)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, lr: float, grad_clip: float, dtype: str = "fp32",
-               scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...]; returns (loss, grad norm).
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               batches: list[tuple[torch.Tensor, torch.Tensor]] | list[MaskedBatch], *, lr: float, grad_clip: float,
+               dtype: str = "fp32", scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over micro-batches [(inputs (b, T), targets (b, T)), ...] or MaskedBatches; returns
+    (loss, grad norm).
 
     Both are 0-d device tensors (no host sync): the loss is the mean over all micro-batches, the grad norm is
     measured before clipping. ``grad_clip`` = 0 measures the norm without clipping. A param group with an
@@ -71,14 +75,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
         group["lr"] = lr * group.get("lr_scale", 1.0)
     device = batches[0][0].device
     loss_sum = torch.zeros((), device=device)
-    for index, (inputs, targets) in enumerate(batches):
+    # What each micro-batch's loss is divided by: their number, or for MaskedBatches the targets the whole step
+    # counts (a device tensor: no sync).
+    divisor = len(batches)
+    if isinstance(batches[0], MaskedBatch):
+        divisor = sum((batch.targets != IGNORED).sum() for batch in batches).clamp_min(1)
+    for index, batch in enumerate(batches):
         last = index == len(batches) - 1
         # DDP all-reduces gradients on every backward unless told not to: only the last micro-batch syncs.
         sync = contextlib.nullcontext() if last else distributed.no_gradient_sync(model)
         with sync:
-            with autocast(device, dtype):
-                logits = model(inputs)  # (b, T, V)
-            loss = cross_entropy(logits.float(), targets) / len(batches)
+            loss = _micro_batch_loss(model, batch, divisor, device, dtype)
             (loss if scaler is None else scaler.scale(loss)).backward()
         loss_sum += loss.detach()
     if scaler is not None:
@@ -93,6 +100,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
         grad_norm = torch.where(torch.isfinite(grad_norm), grad_norm, 0.0)
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
+
+
+def _micro_batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | MaskedBatch,
+                      divisor: int | torch.Tensor, device: torch.device, dtype: str) -> torch.Tensor:
+    """The loss of one micro-batch over ``divisor``: the mean over its targets, or a MaskedBatch's summed loss of
+    the counted targets (module docstring)."""
+    if isinstance(batch, MaskedBatch):
+        with autocast(device, dtype):
+            logits = model(batch.inputs, document_ids=batch.document_ids)  # (b, T, V)
+        return cross_entropy(logits.float(), batch.targets, ignore_index=IGNORED, reduction="sum") / divisor
+    inputs, targets = batch
+    with autocast(device, dtype):
+        logits = model(inputs)  # (b, T, V)
+    return cross_entropy(logits.float(), targets) / divisor
 
 
 @torch.no_grad()

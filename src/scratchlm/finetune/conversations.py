@@ -1,0 +1,89 @@
+"""Reading fine-tuning data: JSON lines of conversations or prompt-completion pairs, each record checked.
+
+Two record formats, as Hugging Face TRL's SFTTrainer reads them:
+
+- conversational: ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``; rendered
+  with the tokenizer's chat template, and the loss counts the assistant's turns;
+- prompt-completion: ``{"prompt": "...", "completion": "..."}``; plain text (no template), the completion followed
+  by the end-of-text token, and the loss counts the completion.
+
+Inputs are what ``data encode`` reads (data/sources.py): files, folders and globs of ``.jsonl`` / ``.json``
+(optionally ``.gz`` / ``.zst``). Every record is checked before anything is trained or written: a bad one is one
+line naming the file, the line and the field (``data.jsonl:7: messages[2].role: unknown role 'bot' ...``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scratchlm.errors import UserError
+
+FORMATS = 'a "messages" list, or "prompt" and "completion" strings'
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A checked conversation: ``messages`` (role, content, ...) with at least one assistant turn after a first
+    message that is not the assistant's."""
+
+    messages: tuple[dict, ...]
+    where: str  # FILE:LINE, for messages about it
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A checked prompt-completion pair of plain texts."""
+
+    prompt: str
+    completion: str
+    where: str
+
+
+Example = Conversation | Completion
+
+
+def read_examples(inputs: Sequence[str], *, errors: str = "strict") -> list[Example]:
+    """Every record of the inputs (files, folders, globs), checked, in order; the first bad record is a UserError
+    (or a ValueError from the reader: malformed JSON, invalid UTF-8) naming its file and line."""
+    from scratchlm.data.sources import expand_inputs, read_json_records
+
+    examples = []
+    for source in expand_inputs(list(inputs)):
+        if source.format not in ("jsonl", "json"):
+            raise UserError(f"{source.path}: fine-tuning reads JSON lines (.jsonl) of {FORMATS}, not a "
+                            f"{source.format} file")
+        examples += [checked_example(record, where) for where, record in read_json_records(source, errors=errors)]
+    if not examples:
+        raise UserError(f"{', '.join(map(str, inputs))}: no records: fine-tuning needs JSON lines of {FORMATS}")
+    return examples
+
+
+def checked_example(record: object, where: str) -> Example:
+    """The example a parsed JSON record holds, or a UserError naming ``where`` and the field."""
+    from scratchlm.tokenizer.chat_template import check_messages
+
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected a JSON object with {FORMATS}, got {type(record).__name__}")
+    if "messages" in record:
+        if "prompt" in record or "completion" in record:
+            raise UserError(f"{where}: has both messages and prompt/completion: give one format a record")
+        messages = check_messages(record["messages"], where=f"{where}: messages")
+        roles = [message["role"] for message in messages]
+        if "assistant" not in roles:
+            raise UserError(f"{where}: messages: no assistant message, so nothing to learn from this record")
+        if roles[0] == "assistant":
+            raise UserError(f"{where}: messages[0].role: the conversation starts with the assistant; the "
+                            f"assistant answers a system or user message")
+        return Conversation(tuple(messages), where)
+    if "prompt" in record or "completion" in record:
+        for field in ("prompt", "completion"):
+            if field not in record:
+                raise UserError(f"{where}: {field}: missing (a prompt-completion record has both)")
+            if not isinstance(record[field], str):
+                raise UserError(f"{where}: {field}: expected a string, got {type(record[field]).__name__}")
+        if not record["completion"]:
+            raise UserError(f"{where}: completion: empty, so nothing to learn from this record")
+        return Completion(record["prompt"], record["completion"], where)
+    fields = ", ".join(map(repr, list(record)[:8])) or "none"
+    raise UserError(f"{where}: expected {FORMATS} (fields: {fields})")
