@@ -25,10 +25,12 @@ SOURCES = ("hh-rlhf", "tinystories")
 _TURN = re.compile(r"\n\n(Human|Assistant): ")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
 _NAMED = re.compile(r"\bnamed ([A-Z][a-z]+)")
-_WORD = re.compile(r"\b[a-z]{4,}\b")
-_COMMON = frozenset("""that with they were there said what this then when have from your very went like could
-would will them their time upon once saw day wanted didn't it's into back about just because after looked felt
-played made came some other much more every also thought asked things thing something always""".split())
+_WORD = re.compile(r"\b[a-z]{4,}\b")  # words a request may name, but for the too common ones below
+_COMMON = frozenset(("that", "with", "they", "were", "there", "said", "what", "this", "then", "when", "have",
+                     "from", "your", "very", "went", "like", "could", "would", "will", "them", "their", "time",
+                     "upon", "once", "saw", "day", "wanted", "didn't", "it's", "into", "back", "about", "just",
+                     "because", "after", "looked", "felt", "played", "made", "came", "some", "other", "much",
+                     "more", "every", "also", "thought", "asked", "things", "thing", "something", "always"))
 _CHARACTER_REQUESTS = ("Tell me a story about {names}.", "Can you write a story with {names}?",
                        "Please tell me a short story where {names} are the main characters.",
                        "I want a bedtime story about {names}.")

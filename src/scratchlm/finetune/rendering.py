@@ -75,26 +75,22 @@ def end_of_text_id(tokenizer: Tokenizer) -> int:
 
 
 def _conversation(example: Conversation, tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
-    template = tokenizer.chat_template
-    if template is None:
-        raise UserError(f"{example.where}: the tokenizer has no chat template to render messages with")
     messages = list(example.messages)
-    ids = tokenizer.encode(template.render(messages))
+    ids = tokenizer.encode_chat(messages)
     counted = [False] * len(ids)
     ends = set(tokenizer.end_of_turn_ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _prefix_length(ids, tokenizer.encode(template.render(messages[:index], add_generation_prompt=True)),
-                               example, f"messages[:{index}] with the generation prompt")
+        start = _prefix_length(ids, tokenizer.encode_chat(messages[:index], add_generation_prompt=True), example,
+                               f"messages[:{index}] with the generation prompt")
         if ends:
             end = next((i + 1 for i in range(start, len(ids)) if ids[i] in ends), None)
             if end is None:
                 raise UserError(f"{example.where}: messages[{index}]: the chat template ends this assistant turn "
                                 f"with none of the end-of-turn tokens {sorted(ends)}")
         else:
-            end = _prefix_length(ids, tokenizer.encode(template.render(messages[:index + 1])), example,
-                                 f"messages[:{index + 1}]")
+            end = _prefix_length(ids, tokenizer.encode_chat(messages[:index + 1]), example, f"messages[:{index + 1}]")
         counted[start:end] = [True] * (end - start)
     return ids, counted
 
