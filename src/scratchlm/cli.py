@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "scratchlm.tokenizer.commands",
     "scratchlm.data.commands",
     "scratchlm.train.commands",
+    "scratchlm.finetune.commands",
     "scratchlm.generate.commands",
     "scratchlm.serve.commands",
     "scratchlm.experiments.commands",

@@ -32,6 +32,8 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 DTYPES = ("fp32", "bf16", "fp16")
+DATA_FORMATS = ("tokens", "conversations")
+PACKINGS = ("packed", "padded")
 TRAIN_DTYPES = (*DTYPES, "auto")  # auto: bf16 where the device has bf16 arithmetic, else fp32 (train/precision.py)
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DTYPES -> torch attribute names
 OPTIMIZERS = ("adamw", "muon")
@@ -96,14 +98,21 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = ""  # token file written by `scratchlm data encode`
-    val_path: str = ""  # "" disables evaluation
+    train_path: str = ""  # token file written by `scratchlm data encode` (format = conversations: JSON lines)
+    val_path: str = ""  # "" disables evaluation (format = conversations: unless val_fraction holds some out)
     tokenizer: str | None = None  # tokenizer directory: its hash is checked against the token files
     tokenizer_hash: str | None = None  # recorded by train (Tokenizer.hash); generate/eval/export/--resume check it
     batch_size: int = 32  # sequences per optimizer step (split into train.grad_accum_steps micro-batches)
+    format: str = "tokens"  # tokens (token files) | conversations (fine-tuning's JSON lines: finetune/)
+    packing: str = "packed"  # conversations: packed (several a sequence, kept apart) | padded (one a sequence)
+    train_on_prompt: bool = False  # conversations: the loss counts every token, not only the assistant's
+    val_fraction: float = 0.0  # conversations without val_path: hold out this fraction of the records
 
     def __post_init__(self) -> None:
         _require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}")
+        _require(self.format in DATA_FORMATS, f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
+        _require(self.packing in PACKINGS, f"data.packing must be one of {PACKINGS}, got {self.packing!r}")
+        _require(0.0 <= self.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
 @dataclass

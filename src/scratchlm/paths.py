@@ -15,6 +15,7 @@ from pathlib import Path
 DATA_DIR_ENV = "SCRATCHLM_DATA_DIR"
 # The modern recipe (configs/recipes/modern.toml in the checkout): the default of `demo` and `plan`.
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "recipes" / "modern.toml"
+DEFAULT_FINETUNE = DEFAULT_RECIPE.parents[1] / "finetune.toml"  # `scratchlm finetune` without --config
 
 
 def _candidates() -> list[Path]:

@@ -11,6 +11,7 @@ import sys
 
 from scratchlm.data.download import register_download
 from scratchlm.data.input_arguments import add_input_arguments
+from scratchlm.finetune.commands import register_conversations
 from scratchlm.workers import default_workers
 
 
@@ -123,4 +124,4 @@ def _positive_int(text: str) -> int:
     return value
 
 
-ACTIONS = [_register_encode, register_download]
+ACTIONS = [_register_encode, register_download, register_conversations]

@@ -30,7 +30,8 @@ _COMMON = frozenset(("that", "with", "they", "were", "there", "said", "what", "t
                      "from", "your", "very", "went", "like", "could", "would", "will", "them", "their", "time",
                      "upon", "once", "saw", "day", "wanted", "didn't", "it's", "into", "back", "about", "just",
                      "because", "after", "looked", "felt", "played", "made", "came", "some", "other", "much",
-                     "more", "every", "also", "thought", "asked", "things", "thing", "something", "always"))
+                     "more", "every", "also", "thought", "asked", "things", "thing", "something", "always",
+                     "named", "began", "where", "even", "again", "over", "loved", "knew", "found", "gave", "took"))
 _CHARACTER_REQUESTS = ("Tell me a story about {names}.", "Can you write a story with {names}?",
                        "Please tell me a short story where {names} are the main characters.",
                        "I want a bedtime story about {names}.")

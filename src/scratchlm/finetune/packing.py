@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from scratchlm.config import PACKINGS
 from scratchlm.data.batches import MaskedBatch
 from scratchlm.finetune.rendering import Rendered
 from scratchlm.train.loss import IGNORED
 
-PACKINGS = ("packed", "padded")
 STATE_VERSION = 1
 PAD_DOCUMENT = -1  # the document of padding slots
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from scratchlm.model_args import add_cs336_checkpoint_arguments, load_model_for_command
 from scratchlm.paths import DEFAULT_RECIPE
@@ -32,25 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   description="Train a TransformerLM; writes checkpoints, metrics.jsonl, curves.png "
                                               "and the resolved config.toml to the run directory.",
                                   epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--config", type=Path, help="TOML config (default with --resume: RUN_DIR/config.toml)")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
-                       help="override a config field, e.g. optim.lr=3e-3 (repeatable)")
-    train.add_argument("--resume", action="store_true", help="continue from the run's newest valid checkpoint")
-    train.add_argument("--device", help="shorthand for --set train.device=D (auto, cpu, cuda, cuda:N, mps)")
-    train.add_argument("--compile", action="store_true", help="shorthand for --set train.compile=true")
-    train.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
-    train.add_argument("--budget", metavar="DURATION",
-                       help="train for a time budget (25m, 1.5h, 900s, 900): the steps are planned from a measured "
-                            "step; shorthand for --set train.budget_seconds=SECONDS")
-    train.add_argument("--init-from", metavar="PATH",
-                       help="start from the weights, model config and tokenizer of a run, a checkpoint or a Hugging "
-                            "Face model folder, with a fresh optimizer, schedule and budget (the config's [model] "
-                            "table is not used); shorthand for --set train.init_from=PATH")
-    train.add_argument("--force-memory", action="store_true",
-                       help="train even when the memory estimate (parameters, gradients, optimizer state and "
-                            "activations, as `scratchlm accounting` counts them) exceeds the free memory: the "
-                            "estimate can be pessimistic; at your own risk")
-    train.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    add_run_arguments(train)
     train.set_defaults(func=run_train)
 
     plan = subparsers.add_parser("plan", help="suggest a model shape and step count for a time budget",
@@ -97,6 +81,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.set_defaults(func=run_eval)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, config_default: str = "") -> None:
+    """The options of a training run, shared by `train` and `finetune`: --config, --set and their shorthands."""
+    parser.add_argument("--config", type=Path,
+                        help=f"TOML config (default with --resume: RUN_DIR/config.toml{config_default})")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                        help="override a config field, e.g. optim.lr=3e-3 (repeatable)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's newest valid checkpoint")
+    parser.add_argument("--device", help="shorthand for --set train.device=D (auto, cpu, cuda, cuda:N, mps)")
+    parser.add_argument("--compile", action="store_true", help="shorthand for --set train.compile=true")
+    parser.add_argument("--run-dir", help="shorthand for --set train.run_dir=DIR")
+    parser.add_argument("--budget", metavar="DURATION",
+                        help="train for a time budget (25m, 1.5h, 900s, 900): the steps are planned from a measured "
+                             "step; shorthand for --set train.budget_seconds=SECONDS")
+    parser.add_argument("--init-from", metavar="PATH",
+                        help="start from the weights, model config and tokenizer of a run, a checkpoint or a Hugging "
+                             "Face model folder, with a fresh optimizer, schedule and budget (the config's [model] "
+                             "table is not used); shorthand for --set train.init_from=PATH")
+    parser.add_argument("--force-memory", action="store_true",
+                        help="train even when the memory estimate (parameters, gradients, optimizer state and "
+                             "activations, as `scratchlm accounting` counts them) exceeds the free memory: the "
+                             "estimate can be pessimistic; at your own risk")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+
+
 def train_overrides(args: argparse.Namespace) -> list[str]:
     """The --set list with the shorthand flags appended (they win over earlier --set of the same key)."""
     overrides = list(args.overrides)
@@ -115,30 +123,36 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace, *, command: str = "train", default_config: Path | None = None,
+              extra_overrides: Sequence[str] = (), read_data: Callable[..., Any] | None = None) -> int:
+    """`scratchlm train`, and the same run for `scratchlm finetune`: its ``default_config`` when --config is not
+    given, its ``extra_overrides`` (before --set's), and ``read_data(config, quiet=...)``: the examples it trains on
+    instead of token files, read and checked before anything is written."""
     from scratchlm.config import load_config, stated_values
     from scratchlm.errors import UserError
     from scratchlm.train import distributed
     from scratchlm.train.trainer import CONFIG_FILE, train
 
     saved = None  # the run's own config.toml, when it is what this resume continues from: read here, once
-    if args.config is None:
-        if not (args.resume and args.run_dir):
-            raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
+    overrides = [*extra_overrides, *train_overrides(args)]
+    if args.config is None and args.resume and args.run_dir:
         saved_path = Path(args.run_dir) / CONFIG_FILE
         saved = load_config(saved_path)
-        config = saved.with_overrides(train_overrides(args), saved_path)
+        config = saved.with_overrides(overrides, saved_path)
+    elif args.config is None and default_config is None:
+        raise UserError("--config is required (or --resume --run-dir RUN to continue a run from RUN/config.toml)")
     else:
-        config = load_config(args.config, train_overrides(args))
+        config = load_config(args.config or default_config, overrides)
     _refuse_overwriting_config(args.config, Path(config.train.run_dir) / CONFIG_FILE)
+    data = read_data(config, quiet=args.quiet) if read_data is not None else None
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config, config.train.parallel) as launched:
         quiet = args.quiet or not launched.is_main
         result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
                        model_overrides=stated_values(args.overrides, "model"),  # what --init-from checks
-                       force_memory=args.force_memory, saved=saved)
+                       force_memory=args.force_memory, saved=saved, data=data)
     if result.status != "finished":
-        print(f"scratchlm train: {result.status}: {result.message}", file=sys.stderr)
+        print(f"scratchlm {command}: {result.status}: {result.message}", file=sys.stderr)
     elif not quiet:
         val = f", best val loss {result.best_val_loss:.4f}" if result.best_val_loss is not None else ""
         print(f"finished {result.final_step} steps: train loss {result.train_loss:.4f}{val} -> {result.run_dir}",

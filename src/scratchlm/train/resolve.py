@@ -11,6 +11,9 @@ it first, and handed on rather than read again:
    records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
    the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
    data.tokenizer_hash is recorded;
+   With ``data`` (fine-tuning's conversations, finetune/data.py) there are no token files: ``data.prepare`` gives
+   the tokenizer the run trains with (ChatML added to a base model's, its rows added to the weights) and lays
+   out the examples, and the budget's probe trains on their tokens;
 4. train.dtype = auto, from what the device can do (precision.py), and the budget plan (budget.py), its probe
    steps trained on them too; under torch.distributed every rank trains rank 0's choice and plan, so all stop at
    the same step. A resumed run keeps the dtype and the plan it was started with.
@@ -22,12 +25,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from scratchlm.config import RunConfig, load_config
+from scratchlm.errors import UserError
 from scratchlm.train.budget import plan_budget
 from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
@@ -37,6 +41,23 @@ from scratchlm.train.tokenizer_identity import bind_tokenizer, fit_vocab_size
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
+
+
+class ExampleData(Protocol):
+    """Training data that is not token files: what data.format = conversations trains on (finetune/data.py's
+    ConversationData). The trainer draws batches from its ``sampler`` and evaluates on its validation batches."""
+
+    def prepare(self, config: RunConfig, tokenizer: Tokenizer | None,
+                source: InitSource | None) -> tuple[RunConfig, Tokenizer]: ...
+
+    def plan_tokens(self) -> np.ndarray: ...
+
+    def sampler(self, config: RunConfig, device: torch.device, rank: int, world_size: int) -> Any: ...
+
+    @property
+    def has_validation(self) -> bool: ...
+
+    def validation_batches(self, config: RunConfig, device: torch.device, max_batches: int | None) -> Any: ...
 
 CONFIG_FILE = "config.toml"
 # What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
@@ -53,15 +74,18 @@ class ResolvedRun:
     train_tokens: np.ndarray  # opened and checked
     val_tokens: np.ndarray | None  # None: no data.val_path
     source: InitSource | None  # train.init_from's weights, on a fresh start from them
+    data: ExampleData | None = None  # the examples of data.format = conversations (train_tokens: for the probe)
 
 
 def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
                 model_overrides: Mapping[str, Any] | None, force_memory: bool, quiet: bool,
-                saved: RunConfig | None = None, started: float | None = None) -> ResolvedRun:
+                saved: RunConfig | None = None, started: float | None = None,
+                data: ExampleData | None = None) -> ResolvedRun:
     """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
     run starts from nor the budget's plan (rank 0 prints them). ``saved``: on resume, the run's config.toml if
     the caller read it already (the CLI's `--resume` without `--config` continues from it). ``started``: when the
-    command began (time.perf_counter()), so that a budget's plan counts the start-up."""
+    command began (time.perf_counter()), so that a budget's plan counts the start-up. ``data``: the examples of a
+    fine-tuning run (data.format = conversations), instead of token files."""
     run_dir = Path(config.train.run_dir)
     saved_path = run_dir / CONFIG_FILE
     if saved is None and resume and saved_path.is_file():
@@ -72,6 +96,15 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
         print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
     tokenizer = _tokenizer(config, source)
+    if (data is not None) != (config.data.format == "conversations"):
+        raise UserError(f"data.format = {config.data.format} is trained by "
+                        f"`scratchlm {'finetune' if data is None else 'train'}`")
+    if data is not None:
+        config, tokenizer = data.prepare(config, tokenizer, source)
+        if not force_memory:
+            check_memory_fits(config, device, world_size)
+        config = _planned(_precision(config, saved, device, quiet), saved, data.plan_tokens(), quiet, started)
+        return ResolvedRun(config, tokenizer, data.plan_tokens(), None, source, data)
     train_file, val_file = open_token_files(config)
     config = fit_vocab_size(config, tokenizer, train_file)
     if not force_memory:  # before the budget's probe step builds a model

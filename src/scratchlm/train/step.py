@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -129,6 +130,18 @@ def evaluate(model: nn.Module, tokens: np.ndarray, config: RunConfig, device: to
             logits = model(inputs)  # (b, T, V)
         total += cross_entropy(logits.float(), targets).to(total_dtype) * targets.numel()
         count += targets.numel()
+    return (total / count).item()
+
+
+@torch.no_grad()
+def evaluate_masked(model: nn.Module, batches: Iterable[MaskedBatch], device: torch.device, dtype: str) -> float:
+    """Mean loss per counted target over ``batches`` (fine-tuning's fixed validation rows): every counted token
+    weighs the same, however the batches split them."""
+    total_dtype = torch.float32 if device.type == "mps" else torch.float64
+    total, count = torch.zeros((), device=device, dtype=total_dtype), torch.zeros((), device=device, dtype=torch.long)
+    for batch in batches:
+        total += _micro_batch_loss(model, batch, 1, device, dtype).to(total_dtype)  # the summed loss
+        count += (batch.targets != IGNORED).sum()
     return (total / count).item()
 
 

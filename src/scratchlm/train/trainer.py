@@ -56,7 +56,7 @@ from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
-from scratchlm.train.resolve import CONFIG_FILE, ResolvedRun, resolve_run
+from scratchlm.train.resolve import CONFIG_FILE, ExampleData, ResolvedRun, resolve_run
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
@@ -68,7 +68,7 @@ from scratchlm.train.setup import (
     set_matmul_precision,
     wrap_model,
 )
-from scratchlm.train.step import DivergenceWatch, evaluate, learning_rate, train_step
+from scratchlm.train.step import DivergenceWatch, evaluate, evaluate_masked, learning_rate, train_step
 from scratchlm.train.tokenizer_identity import check_same_tokenizer, keep_tokenizer_copy
 
 T = TypeVar("T")
@@ -147,7 +147,7 @@ def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, 
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
-          force_memory: bool = False, saved: RunConfig | None = None) -> TrainResult:
+          force_memory: bool = False, saved: RunConfig | None = None, data: ExampleData | None = None) -> TrainResult:
     """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
     docstring.
 
@@ -157,6 +157,7 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
     ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
     ``saved``: on resume, the run's config.toml when the caller has read it already (else it is read here).
+    ``data``: a fine-tuning run's examples (data.format = conversations; finetune/data.py), read and checked.
     """
     started = time.perf_counter()  # a budget counts from here: the probe and the start-up are spent from it
     rank, world_size = _rank_and_world_size()
@@ -170,7 +171,8 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     if is_main_process:
         prepare_run_dir(run_dir, resume)
     run = resolve_run(config, resume=resume, device=device, world_size=world_size, model_overrides=model_overrides,
-                      force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved, started=started)
+                      force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved, started=started,
+                      data=data)
     default_threads = torch.get_num_threads()
     if run.config.train.threads is not None:
         torch.set_num_threads(run.config.train.threads)
@@ -187,8 +189,11 @@ def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Modul
     run_dir = Path(config.train.run_dir)
     raw_model = build_model(config, device)
     optimizer = build_optimizer(raw_model, config)
-    sampler = BatchSampler(run.train_tokens, config.micro_batch_size, config.model.context_length, device,
-                           seed=config.train.seed, rank=rank, world_size=world_size)
+    if run.data is not None:
+        sampler = run.data.sampler(config, device, rank, world_size)
+    else:
+        sampler = BatchSampler(run.train_tokens, config.micro_batch_size, config.model.context_length, device,
+                               seed=config.train.seed, rank=rank, world_size=world_size)
     checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
     state = LoopState()
     if resume and (path := _resume_point(checkpoints)) is not None:
@@ -208,7 +213,7 @@ def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Modul
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
                                wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
     loop = _Loop(config, model, raw_model, optimizer, sampler, run.val_tokens, checkpoints, logger, state, device,
-                 world_size, quiet, started)
+                 world_size, quiet, started, run.data)
     try:
         with StopRequest() as stop:
             return loop.run(stop)
@@ -254,8 +259,9 @@ class _Loop:
     def __init__(self, config: RunConfig, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: BatchSampler, val_tokens: np.ndarray | None, checkpoints, logger: MetricsLogger | None,
                  state: LoopState, device: torch.device, world_size: int, quiet: bool = True,
-                 started: float | None = None) -> None:
+                 started: float | None = None, data: ExampleData | None = None) -> None:
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
+        self.data = data
         self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
         self.state, self.device, self.world_size = state, device, world_size
         self.tokens_per_step = config.tokens_per_step * world_size
@@ -316,7 +322,8 @@ class _Loop:
                 if self.live is not None and not final:
                     cfg = self._replan(step)
             # A checkpoint records the val_loss of its own step only: best.json must not credit it with an older one.
-            val_loss = self._paused(self._evaluate) if evaluate_now and self.val_tokens is not None else None
+            has_validation = self.val_tokens is not None or (self.data is not None and self.data.has_validation)
+            val_loss = self._paused(self._evaluate) if evaluate_now and has_validation else None
             if save:
                 self._paused(functools.partial(self._checkpoint, val_loss))
             if stopping:
@@ -408,7 +415,12 @@ class _Loop:
         if self.logger is None and not distributed.is_fsdp(self.raw_model):
             return None
         # The unwrapped model: a DDP wrapper would try to sync buffers with ranks that are not evaluating.
-        val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device, self.config.train.eval_batches)
+        if self.data is not None:
+            batches = self.data.validation_batches(self.config, self.device, self.config.train.eval_batches)
+            val_loss = evaluate_masked(self.raw_model, batches, self.device, self.config.train.dtype)
+        else:
+            val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device,
+                                self.config.train.eval_batches)
         if self.logger is None:
             return None
         best = self.state.best_val_loss
