@@ -60,6 +60,12 @@ def world(tmp_path_factory) -> Path:
     (root / "continuations.jsonl").write_text('{"context": "the", "continuation": " cat"}\n')
     (root / "not_json.jsonl").write_text('{"context": "the", "continuation": " cat"}\nthe cat\n')
     (root / "number_continuation.jsonl").write_text('{"context": "the", "continuation": 5}\n')
+    chat = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat"}]}\n'
+    (root / "chat.jsonl").write_text(chat)
+    (root / "chat_bad_role.jsonl").write_text(chat + chat.replace('"assistant"', '"bot"'))
+    (root / "chat_not_json.jsonl").write_text(chat + "the cat\n")
+    (root / "completion_list.jsonl").write_text('{"prompt": "the", "completion": ["cat"]}\n')
+    (root / "completions.jsonl").write_text('{"prompt": "the", "completion": " cat"}\n')
     token_a, token_b = byte_tokenizer(0), byte_tokenizer(1)
     token_a.save(root / "tokA")
     token_b.save(root / "tokB")
@@ -204,6 +210,34 @@ DATA = ["--set", "data.train_path={T}/train.tok", "--set", "data.val_path={T}/va
 def test_train(world, tmp_path, capsys, argv, message, hold_lock):
     config = [] if "--config" in argv or "--resume" in argv else ["--config", str(TINY)]
     check_refused(world, tmp_path, capsys, ["train", *config, "--quiet", *argv], message, hold_lock=hold_lock)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "{T}/chat_bad_role.jsonl"], "{T}/chat_bad_role.jsonl:2: messages[1].role: unknown role 'bot'"),
+    (["--data", "{T}/completion_list.jsonl"], "{T}/completion_list.jsonl:1: completion: expected a string, got list"),
+    (["--data", "{T}/chat_not_json.jsonl"], "{T}/chat_not_json.jsonl:2: malformed JSON (Expecting value, column 1)"),
+    (["--data", "{T}/chat.jsonl", "--val-data", "{T}/chat_bad_role.jsonl"], "chat_bad_role.jsonl:2: messages[1]."),
+    (["--data", "{T}/train.tok"], "{T}/train.tok: fine-tuning reads JSON lines (.jsonl)"),
+    (["--data", "{T}/missing.jsonl"], "{T}/missing.jsonl does not exist"),
+    ([], "--data is required"),
+    (["--data", "{T}/chat.jsonl", "--init-from", "{T}/missing"], "train.init_from {T}/missing does not exist"),
+    # refused once the tokenizer is known (the run's tokA has no end-of-text token): still nothing written
+    (["--data", "{T}/completions.jsonl"], "a prompt-completion record needs an end-of-text token"),
+    (["--data", "{T}/chat.jsonl", "--val-fraction", "0.9"], "data.val_fraction 0.9 of 1 records holds out 1"),
+])
+def test_finetune(world, tmp_path, capsys, argv, message):
+    init = [] if "--init-from" in argv else ["--init-from", "{T}/run"]
+    check_refused(world, tmp_path, capsys, ["finetune", *init, "--run-dir", "{T}/new/ft", "--device", "cpu", "--quiet",
+                                            *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--from", "hh-rlhf", "{T}/chat.jsonl", "--out", "{T}/chat.jsonl"], "--out {T}/chat.jsonl is the input"),
+    (["--from", "tinystories", "{T}/corpus.txt", "--out", "{T}/notes.txt"], "--out {T}/notes.txt exists"),
+    (["--from", "hh-rlhf", "{T}/corpus.txt", "--out", "{T}/new.jsonl"], "{T}/corpus.txt:1: expected a JSON object"),
+])
+def test_data_conversations(world, tmp_path, capsys, argv, message):
+    check_refused(world, tmp_path, capsys, ["data", "conversations", *argv], message)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -55,8 +55,8 @@ class ConversationData:
         train = read_examples([data.train_path])
         if data.val_path:
             return cls(train, read_examples([data.val_path]), quiet)
-        held_out = round(len(train) * data.val_fraction)
-        if data.val_fraction and not 0 < held_out < len(train):
+        held_out = round(len(train) * data.val_fraction)  # 0 for a few records: no validation
+        if held_out >= len(train):
             raise UserError(f"data.val_fraction {data.val_fraction} of {len(train)} records holds out {held_out}: "
                             f"leave at least one record on each side")
         order = np.random.default_rng([config.train.seed, 1]).permutation(len(train))
