@@ -149,8 +149,8 @@ def test_packed_and_padded_give_the_same_loss(base, tmp_path):
     losses = {}
     for packing in ("packed", "padded"):
         with torch_threads(1):
-            assert main(["finetune", "--init-from", str(base), "--data", str(data), "--run-dir", str(tmp_path / packing),
-                         "--packing", packing, "--set", "train.max_steps=1", "--set", "optim.warmup_iters=0",
-                         "--set", "data.val_fraction=0", *FAST]) == 0
+            assert main(["finetune", "--init-from", str(base), "--data", str(data), "--run-dir",
+                         str(tmp_path / packing), "--packing", packing, "--set", "train.max_steps=1", "--set",
+                         "optim.warmup_iters=0", "--set", "data.val_fraction=0", *FAST]) == 0
         losses[packing] = records(tmp_path / packing, "train")[0]["loss"]
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
