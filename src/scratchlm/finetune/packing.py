@@ -137,6 +137,7 @@ class RowSampler:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch, self.position, self.batches_drawn = 0, 0, 0
         self._order = self._permutation(0)
+        self.last_rows = np.zeros(0, dtype=np.int64)  # the rows of the last batch (what a benchmark counts)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, self.rank, epoch]).permutation(len(self.rows))
@@ -151,7 +152,8 @@ class RowSampler:
             index.append(self._order[self.position])
             self.position += 1
         self.batches_drawn += 1
-        return self.rows.batch(np.asarray(index), self.device)
+        self.last_rows = np.asarray(index)
+        return self.rows.batch(self.last_rows, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "kind": "rows", "seed": self.seed, "rank": self.rank,
