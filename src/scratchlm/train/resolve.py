@@ -4,8 +4,11 @@
 it returns (``ResolvedRun``); the loop takes the rest from there. Each input is read once, by the step that needs
 it first, and handed on rather than read again:
 
-1. the config: with train.init_from, the model (and tokenizer) of the weights the run starts from (init_from.py),
-   or on resume the run's own model; a resumed run's config.toml is read once, for that model and its budget plan;
+1. where the run starts (``Start``), decided here and nowhere else: ``Resume(checkpoint)`` when asked to resume
+   and the run has a checkpoint (the newest valid one; its model, optimizer settings and tokenizer must be the
+   config's), else ``InitFrom(source)`` with train.init_from (the model and tokenizer of those weights:
+   init_from.py), else ``Fresh``. The checkpoint list is read once, and a resumed run's config.toml once, for its
+   budget plan and dtype; the trainer only acts on the answer;
 2. the tokenizer (data.tokenizer), loaded once: its vocabulary size, its hash, and later the run's copy of it;
 3. the token files, opened once: model.vocab_size is bound (the tokenizer's, else the size the train file's header
    records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
@@ -18,6 +21,7 @@ it first, and handed on rather than read again:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +37,7 @@ from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
 from scratchlm.train.precision import choose_dtype
 from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
-from scratchlm.train.tokenizer_identity import bind_tokenizer, fit_vocab_size
+from scratchlm.train.tokenizer_identity import bind_tokenizer, check_same_tokenizer, fit_vocab_size
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
@@ -45,14 +49,36 @@ PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "ch
 
 
 @dataclass(frozen=True)
+class Fresh:
+    """A new run: the model starts from build_model's seeded initialisation."""
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """A new run whose weights come from train.init_from (a fresh optimizer, schedule and step counter)."""
+
+    source: InitSource
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The run continues from ``checkpoint``: weights, optimizer, RNG, sampler and the loop's running values."""
+
+    checkpoint: Path
+
+
+Start = Fresh | InitFrom | Resume
+
+
+@dataclass(frozen=True)
 class ResolvedRun:
     """What a run starts from, each part read once (module docstring)."""
 
     config: RunConfig  # final: model.vocab_size, data.tokenizer_hash and a budget's plan filled in
+    start: Start
     tokenizer: Tokenizer | None  # data.tokenizer, loaded (None: the config names none)
     train_tokens: np.ndarray  # opened and checked
     val_tokens: np.ndarray | None  # None: no data.val_path
-    source: InitSource | None  # train.init_from's weights, on a fresh start from them
 
 
 def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
@@ -67,11 +93,11 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     if saved is None and resume and saved_path.is_file():
         saved = load_config(saved_path)
     saved = saved if resume else None
-    config, source = _starting_point(config, run_dir, resume, saved, model_overrides)
-    if source is not None and not quiet:
-        print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
+    config, start = _start(config, run_dir, resume, model_overrides)
+    if isinstance(start, InitFrom) and not quiet:
+        print(f"scratchlm train: starting from the weights of {start.source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
-    tokenizer = _tokenizer(config, source)
+    tokenizer = _tokenizer(config, start)
     train_file, val_file = open_token_files(config)
     config = fit_vocab_size(config, tokenizer, train_file)
     if not force_memory:  # before the budget's probe step builds a model
@@ -80,30 +106,65 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     config = bind_tokenizer(config, tokenizer, train_file, val_file)
     config = _precision(config, saved, device, quiet)
     config = _planned(config, saved, train_tokens, quiet, started)
-    return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
+    if isinstance(start, Resume):  # the final config: a resumed budget's plan sets optim.warmup_iters
+        _check_resumable(config, start.checkpoint, run_dir)
+    return ResolvedRun(config, start, tokenizer, train_tokens, val_tokens)
 
 
-def _starting_point(config: RunConfig, run_dir: Path, resume: bool, saved: RunConfig | None,
-                    model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, InitSource | None]:
-    """With train.init_from: the config with the model (and tokenizer) of the weights the run starts from, and the
-    source to load them from; a resume of a run that has checkpoints takes its own model (``saved``, the run's
-    config.toml) and reads no source."""
-    if not config.train.init_from:
-        return config, None
-    if resume and CheckpointManager(run_dir).checkpoints():
-        if saved is not None:  # else _restore compares config.model with the checkpoint's
-            config = with_model(config, saved.model, f"run {run_dir}", model_overrides)
-        return config, None
-    source = open_source(config.train.init_from)
-    return adopt(config, source, model_overrides), source
+def _start(config: RunConfig, run_dir: Path, resume: bool,
+           model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, Start]:
+    """Where the run starts, and the config with the model that start implies.
+
+    A resume of a run with a checkpoint continues the checkpoint's model: with train.init_from the source is not
+    read again (it may have moved since), so the model comes from the checkpoint (the fields the caller set on
+    purpose must agree). A resume of a run with no checkpoint yet starts as a new run would."""
+    checkpoint = _resume_point(CheckpointManager(run_dir)) if resume else None
+    if checkpoint is not None:
+        if config.train.init_from:
+            saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
+            config = with_model(config, saved.model, f"checkpoint {checkpoint}", model_overrides)
+        return config, Resume(checkpoint)
+    if config.train.init_from:
+        source = open_source(config.train.init_from)
+        return adopt(config, source, model_overrides), InitFrom(source)
+    return config, Fresh()
 
 
-def _tokenizer(config: RunConfig, source: InitSource | None) -> Tokenizer | None:
+def _resume_point(checkpoints: CheckpointManager) -> Path | None:
+    """The checkpoint to resume from; None when the run has none yet (it starts from step 0).
+
+    Checkpoints that all fail verification are an error: starting over would overwrite them and cut
+    metrics.jsonl back to step 0.
+    """
+    path = checkpoints.latest_valid()
+    if path is None and (found := checkpoints.checkpoints()):
+        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
+                         f"valid (see the warnings above); move them away to start this run over")
+    return path
+
+
+def _check_resumable(config: RunConfig, checkpoint: Path, run_dir: Path) -> None:
+    """Refuse to continue ``checkpoint`` as another run: its model, optimizer settings and tokenizer must be the
+    config's (another recipe or tokenizer would silently continue a different run)."""
+    saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
+    if saved.model != config.model:
+        raise ValueError(f"cannot resume from {checkpoint}: it was trained with model {saved.model}, but this "
+                         f"config asks for {config.model}")
+    if saved.optim != config.optim:
+        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(saved.optim).items()
+                   if getattr(config.optim, k) != v}
+        raise ValueError(f"cannot resume from {checkpoint}: the optimizer settings changed (saved -> asked: " +
+                         ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
+    check_same_tokenizer(saved.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {checkpoint}")
+
+
+def _tokenizer(config: RunConfig, start: Start) -> Tokenizer | None:
     """data.tokenizer, loaded; the one train.init_from read when it is the source's (``adopt`` put it there)."""
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
-    if source is not None and source.tokenizer is not None and config.data.tokenizer == str(source.tokenizer):
-        return source.read_tokenizer
+    if isinstance(start, InitFrom) and start.source.tokenizer is not None and \
+            config.data.tokenizer == str(start.source.tokenizer):
+        return start.source.read_tokenizer
     return Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
 
 
