@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from scratchlm.data.token_file import open_token_file, write_token_file
 from scratchlm.errors import UserError
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.folder import write_tokenizer_dir
-from scratchlm.tokenizer.io import read_gpt2_files
+from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
+from scratchlm.tokenizer.formats.io import read_gpt2_files
 
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CLEAR_ERRORS = (ValueError, UserError)

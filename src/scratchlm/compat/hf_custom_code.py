@@ -28,7 +28,7 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 
 MODEL_TYPE = "scratchlm"
 CONFIG_FILE, MODELING_FILE = "configuration_scratchlm.py", "modeling_scratchlm.py"
@@ -49,7 +49,7 @@ def export_custom_code(model, tokenizer, out: Path) -> None:
     """Write `model` (a TransformerLM) and `tokenizer` as a custom-code Hugging Face folder `out` (module docstring)."""
     from safetensors.torch import save_file
 
-    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+    from scratchlm.tokenizer.formats.hf import write_hf_tokenizer
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config

@@ -4,7 +4,7 @@
 them expresses the model exactly (the first of them that does), and says why; the folder then holds
 ``config.json`` (that architecture's config, RoPE spelled for transformers 4.x and 5.x alike), ``model.safetensors``
 (weights mapped by compat/hf.py) and the tokenizer's ``tokenizer.json`` + ``tokenizer_config.json``, the files
-``Tokenizer.save`` writes too (tokenizer/hf_format.py). A model no standard architecture expresses (a ReLU² or
+``Tokenizer.save`` writes too (tokenizer/formats/hf.py). A model no standard architecture expresses (a ReLU² or
 plain SiLU FFN, LayerNorm, post-norm, no RoPE, a logit cap...) is written by compat/hf_custom_code.py as a
 ``trust_remote_code`` folder carrying its own modelling code, and the reason is said too.
 Weights are written only as safetensors (never pickle).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 
 
 def export_hf(model, tokenizer, out: Path) -> str:
@@ -39,7 +39,7 @@ def _write_standard(model, tokenizer, out: Path, model_type: str) -> None:
     from safetensors.torch import save_file
 
     from scratchlm.compat.hf import to_hf_config, to_hf_state_dict, with_both_rope_spellings
-    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+    from scratchlm.tokenizer.formats.hf import write_hf_tokenizer
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config

@@ -34,7 +34,7 @@ def read_hf_folder(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: 
     """(TransformerLM, Tokenizer or None, why the tokenizer is None or None): the folder's model and tokenizer.
     A tokenizer our encoder does not match (WordPiece, a normalizer...) is left out, saying why; the weights are
     still worth having."""
-    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
+    from scratchlm.tokenizer.formats.hf import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
 
     model = read_hf_model(model_dir, max_gib=max_gib, dtype=dtype)
     try:
@@ -78,9 +78,9 @@ def read_hf_tokenizer(model_dir: Path):
     """Our Tokenizer from the folder's Hugging Face ``tokenizer.json``, or None when it has none.
 
     Raises ``UnsupportedHFTokenizer`` for a tokenizer our encoder does not match (WordPiece, a normalizer...) and
-    a ValueError naming the file for a malformed one (tokenizer/hf_format.py reads it)."""
+    a ValueError naming the file for a malformed one (tokenizer/formats/hf.py reads it)."""
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE
+    from scratchlm.tokenizer.formats.hf import HF_TOKENIZER_FILE
 
     path = Path(model_dir) / HF_TOKENIZER_FILE
     return Tokenizer.from_files(path) if path.is_file() else None

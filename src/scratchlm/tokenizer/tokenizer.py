@@ -13,8 +13,8 @@ Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=Fa
 from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
 ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
-Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
-``hf_format.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
+Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
+``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
-from scratchlm.tokenizer.added_tokens import FlagsByToken, checked_flags
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
-from scratchlm.tokenizer.io import invert_vocab
+from scratchlm.tokenizer.formats.added_tokens import FlagsByToken, checked_flags
+from scratchlm.tokenizer.formats.io import invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
     has_known_boundaries,
@@ -49,7 +49,7 @@ class Tokenizer:
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
-    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``added_tokens.py``): they
+    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/added_tokens.py``): they
     change no id, only the tokenizer.json that ``save`` writes.
     """
 
@@ -81,7 +81,7 @@ class Tokenizer:
                    special_tokens: list[str] | None = None, *, fast: bool = True) -> Tokenizer:
         """Read GPT-2 ``vocab.json`` + ``merges.txt``, or with merges_path=None one file that holds its own merges:
         ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
-        from scratchlm.tokenizer.folder import read_tokenizer_files
+        from scratchlm.tokenizer.formats.folder import read_tokenizer_files
 
         vocab, merges, specials, pipeline, flags = read_tokenizer_files(vocab_path, merges_path)
         if special_tokens is not None:  # the caller's list replaces the file's, and its flags with ours
@@ -91,8 +91,8 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
         """Read a directory written by ``save``, a Hugging Face tokenizer folder, or GPT-2 ``vocab.json`` +
-        ``merges.txt`` (the order of the files is in ``folder.py``)."""
-        from scratchlm.tokenizer.folder import read_tokenizer_dir
+        ``merges.txt`` (the order of the files is in ``formats/folder.py``)."""
+        from scratchlm.tokenizer.formats.folder import read_tokenizer_dir
 
         vocab, merges, specials, pipeline, flags = read_tokenizer_dir(directory)
         return cls._built_from(directory, vocab, merges, specials, pipeline, flags, fast)
@@ -110,7 +110,7 @@ class Tokenizer:
     def save(self, directory: str | Path) -> Path:
         """Write ``scratchlm-tokenizer.json``, Hugging Face's ``tokenizer.json`` + ``tokenizer_config.json`` and GPT-2
         ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
-        from scratchlm.tokenizer.folder import write_tokenizer_dir
+        from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
 
         return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline,
                                    added_token_flags=self.added_token_flags)

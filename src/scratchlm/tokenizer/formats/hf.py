@@ -38,8 +38,8 @@ import json
 import re
 from pathlib import Path
 
-from scratchlm.tokenizer.added_tokens import OURS, AddedTokenFlags, FlagsByToken
-from scratchlm.tokenizer.io import (
+from scratchlm.tokenizer.formats.added_tokens import OURS, AddedTokenFlags, FlagsByToken
+from scratchlm.tokenizer.formats.io import (
     FormatCannotHold,
     Merges,
     Vocab,
