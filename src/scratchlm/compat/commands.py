@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scratchlm.compat.gguf_export import GGUF_TYPES
 from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, HF_PACKAGES
 from scratchlm.config import DTYPES, TORCH_DTYPE_NAMES
 
@@ -35,6 +36,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "HF_TOKEN or `hf auth login`; needs the [hub] extra)")
     hf.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     hf.set_defaults(func=run_export_hf)
+    gguf = export_formats.add_parser("gguf", help="one GGUF file for llama.cpp / ollama (llama, Qwen2, Qwen3)",
+                                     description="Write the model and its tokenizer as one GGUF file that llama.cpp "
+                                                 "loads, in the architecture `export hf` would choose (llama, qwen2 "
+                                                 "or qwen3); a model llama.cpp cannot run is refused.")
+    gguf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    gguf.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
+    gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", dest="gguf_type",
+                      help="weight type: f32 (default, exact), f16, or q8_0 (2-D weights quantised as llama.cpp "
+                           "does; norms and biases stay f32)")
+    gguf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
+    gguf.add_argument("--force", action="store_true", help="replace an existing file")
+    gguf.set_defaults(func=run_export_gguf)
 
     imp = subparsers.add_parser("import", help="import a checkpoint from another format",
                                 description="Import a model from another ecosystem as a scratchlm run directory.")
@@ -82,6 +95,29 @@ def run_export_hf(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/: {', '.join(sorted(p.name for p in args.out.iterdir()))}")
     if args.push_to_hub:  # after the export, which stays on disk if the upload fails
         print(f"pushed {args.out}/ to {push_folder(args.out, args.push_to_hub, private=args.private)}")
+    return 0
+
+
+def run_export_gguf(args: argparse.Namespace) -> int:
+    from scratchlm.compat.gguf_export import export_gguf
+    from scratchlm.extras import require
+    from scratchlm.output_paths import refuse_file, refuse_inputs, removed_on_failure
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    require("gguf", "gguf", "scratchlm export gguf")
+    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
+    refuse_file(args.out, force=args.force)
+    model, config = load_for_inference(args.checkpoint)
+    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+    name = Path(config.train.run_dir).name if config.train.run_dir else args.checkpoint.resolve().name
+    with removed_on_failure(args.out.parent):  # the folders made for it, when the export fails
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        plan = export_gguf(model, tokenizer, args.out, args.gguf_type, name=name, run=str(args.checkpoint))
+    print(f"architecture {plan.why}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out} ({args.gguf_type}, {args.out.stat().st_size:,} bytes)")
     return 0
 
 
