@@ -160,7 +160,7 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         for i in range(cfg.num_layers):
             for proj in ("q_proj", "k_proj"):
                 hf[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"layers.{i}.attn.{proj}.weight"]
-    names = gguf.get_tensor_name_map(_model_arch(arch), cfg.num_layers)
+    names = gguf.get_tensor_name_map(model_arch(arch), cfg.num_layers)
     tensors = {}
     for hf_name, tensor in hf.items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -175,7 +175,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _model_arch(arch: str):
+def model_arch(arch: str):
+    """The `gguf` package's MODEL_ARCH of llama.cpp's architecture name."""
     import gguf
 
     return next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
