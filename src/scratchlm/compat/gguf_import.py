@@ -139,6 +139,10 @@ def _model_config(fields: _Fields, arch: str, tensors: dict, path: Path):
     def number(key: str, kind: type = int, default=None):
         return fields.get(f"{arch}.{key}", kind, default)
 
+    for key in (f"{arch}.attention.sliding_window", f"{arch}.expert_count"):  # before the keys we need
+        if key in fields:
+            raise ValueError(f"{path}: unsupported {arch} model: {key}={_short(fields.get(key, object))} (ours is "
+                             f"a dense model attending to the whole context)")
     heads = number("attention.head_count")
     d_model = number("embedding_length")
     head_dim = number("attention.key_length", int, (d_model // heads) if isinstance(heads, int) and heads else None)
@@ -155,10 +159,6 @@ def _model_config(fields: _Fields, arch: str, tensors: dict, path: Path):
     scaling_factor = fields.get(f"{arch}.rope.scaling.factor", float, required=False)
     if scaling_factor not in (None, 0.0, 1.0):
         problems.append(f"{arch}.rope.scaling.factor={scaling_factor!r} (no linear RoPE scaling here)")
-    for key in (f"{arch}.attention.sliding_window", f"{arch}.expert_count"):
-        if key in fields:
-            problems.append(f"{key}={_short(fields.get(key, object))} (ours is a dense model attending to the "
-                            f"whole context)")
     if problems:
         raise ValueError(f"{path}: unsupported {arch} model: " + "; ".join(problems))
     tokens = fields.get("tokenizer.ggml.tokens", list, required=False)
