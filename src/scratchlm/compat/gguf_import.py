@@ -254,7 +254,8 @@ def _read_tensor(tensor, path: Path) -> torch.Tensor:
 
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     try:
-        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+        with np.errstate(all="ignore"):  # a damaged scale gives inf/NaN: refused below, by name
+            values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
     except (ValueError, NotImplementedError) as error:
         raise ValueError(f"{path}: tensor {tensor.name!r} cannot be read ({error})") from None
     values = np.array(values, dtype=np.float32)  # a copy: the reader's arrays map the file
