@@ -54,7 +54,7 @@ def write_model(name: str, folder: Path) -> tuple[TransformerLM, dict[str, Path]
 
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.from_dict(MODELS[name])).eval()
-    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)} | {256: b"th"}, [(b"t", b"h")], ["<|endoftext|>"])
     write_run(model, tokenizer, folder / name)
     files = {}
     for gguf_type in ("f32", "f16"):

@@ -2,8 +2,9 @@
 
 This file runs under the venv scripts/setup_llama_cpp.sh builds, which has llama_cpp and numpy but neither torch
 nor scratchlm, so it imports nothing of ours (benchmarks/llama_cpp_client.py starts it). The request is a list of
-models, each ``{"model": PATH, "n_ctx": N, "n_threads": T, "logits_all": bool, "jobs": [...]}``; the reply holds
-one result per job, in order:
+models, each ``{"model": PATH, "n_ctx": N, "n_threads": T, "logits_all": bool, "f32_cache": bool, "jobs": [...]}``
+(``f32_cache``: keys and values cached in float32, as ours are, rather than llama.cpp's default f16, for comparing
+logits); the reply holds one result per job, in order:
 
     {"op": "tokenize", "texts": [str]}                      -> [[id]]: special tokens parsed, no BOS added
     {"op": "greedy", "prompt": [id], "max_tokens": n}       -> [id]: argmax of each next token's logits
@@ -97,9 +98,10 @@ def main() -> int:
     replies = []
     for spec in request:
         n_ctx = spec.get("n_ctx", 512)
+        cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if spec.get("f32_cache") else {}
         llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                               n_threads=spec.get("n_threads", 1), n_threads_batch=spec.get("n_threads", 1),
-                              logits_all=spec.get("logits_all", True), verbose=False)
+                              logits_all=spec.get("logits_all", True), verbose=False, **cache)
         replies.append([run_job(llm, job) for job in spec["jobs"]])
         llm.close()
     json.dump({"llama_cpp": llama_cpp.__version__, "results": replies}, sys.stdout)

@@ -72,7 +72,10 @@ def world(tmp_path_factory) -> Path:
     assert main(["train", "--config", str(TINY), *TINY_RUN, *data, "--set", f"data.tokenizer={root}/tokA",
                  "--run-dir", str(root / "run")]) == 0
     assert main(["export", "hf", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
-    assert main(["export", "gguf", "--checkpoint", str(root / "run"), "--out", str(root / "run.gguf")]) == 0
+    # llama.cpp's tokenizer needs a merge (tokA has none): a run of a tokenizer with one, and its GGUF export.
+    with_merge = Tokenizer({byte: bytes([byte]) for byte in range(256)} | {256: b"th"}, [(b"t", b"h")], [])
+    write_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), with_merge, root / "gguf_run")
+    assert main(["export", "gguf", "--checkpoint", str(root / "gguf_run"), "--out", str(root / "run.gguf")]) == 0
     relu2 = TransformerLM(ModelConfig.preset("tiny", ffn="relu2"))  # llama.cpp has no ReLU² FFN
     write_run(relu2, token_a, root / "relu2_run")
     (root / "export").mkdir()
@@ -270,6 +273,7 @@ def test_import_hf(world, tmp_path, capsys, argv, message):
     (["--out", "{T}/new/m.gguf", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
     (["--out", "{T}/new/m.gguf", "--checkpoint", "{T}/relu2_run"],
      "llama.cpp cannot run this model: ffn='relu2'"),
+    (["--out", "{T}/new/m.gguf"], "tokenizer has no merges: llama.cpp's byte-level BPE ('gpt2') needs"),
 ])
 def test_export_gguf(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["export", "gguf", "--checkpoint", "{T}/run", *argv], message)

@@ -80,6 +80,9 @@ def plan_gguf(model_config, tokenizer) -> GGUFPlan:
                          f"reads Llama 3's rope_freqs only in its llama graph")
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model_config.vocab_size}")
+    if not tokenizer.merges:  # GGUF has no empty arrays, and llama.cpp refuses a gpt2 tokenizer without the key
+        raise ValueError("tokenizer has no merges: llama.cpp's byte-level BPE ('gpt2') needs tokenizer.ggml.merges "
+                         "with at least one")
     pipeline = tokenizer.pipeline
     if pipeline.pattern not in PRE_TOKENIZERS:
         raise ValueError(f"tokenizer split pattern {pipeline.pattern!r} is not one llama.cpp knows (GPT-2's, "
@@ -122,6 +125,7 @@ def export_gguf(model, tokenizer, out: Path, gguf_type: str = "f32", *, name: st
 
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"GGUF type {gguf_type!r} is not one of {GGUF_TYPES}")
+    out = Path(out)
     plan = plan_gguf(model.config, tokenizer)
     tensors = gguf_tensors(model, plan.arch)
     temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
