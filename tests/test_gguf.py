@@ -14,6 +14,7 @@ from torch.testing import assert_close
 from scratchlm.cli import main
 from scratchlm.compat.commands import write_run
 from scratchlm.compat.gguf_export import GGUF_TYPES, export_gguf
+from scratchlm.compat.gguf_import import read_gguf
 from scratchlm.compat.hf import to_hf_state_dict
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
@@ -264,3 +265,32 @@ def test_import_refuses_what_it_cannot_run_naming_the_key(tmp_path, tokenizer, c
     assert main(["import", "gguf", str(tmp_path / "window.gguf"), "--out", str(tmp_path / "b")]) == 1
     assert "llama.attention.sliding_window=8" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_file_without_our_keys_is_read_as_llama_cpp_runs_it(tmp_path, tokenizer, monkeypatch):
+    """Our scratchlm.* keys make the round trip exact; a file from elsewhere has none: Llama 3's RoPE scaling is
+    read from rope_freqs under Llama 3.1's rule, merges are ignored for llama-bpe and nothing is put in NFC."""
+    import scratchlm.compat.gguf_export as gguf_export
+    from scratchlm.tokenizer.pretokenize import QWEN2_SPLIT_PATTERN
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, rope_scaling="llama3",
+                                             rope_scaling_factor=32.0)).eval()
+    llama3 = Tokenizer(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens,
+                       pipeline=Pipeline(LLAMA3_SPLIT_PATTERN))  # merges applied: no token depends on it here
+    for key in ("KEY_LLAMA3", "KEY_NFC", "KEY_IGNORE_MERGES"):
+        monkeypatch.setattr(gguf_export, key, f"elsewhere.{key.lower()}")
+    export_gguf(model, llama3, tmp_path / "m.gguf", name="foreign")
+    back, imported, _ = read_gguf(tmp_path / "m.gguf", max_gib=1.0)  # its keys were bound before the patch
+    assert (back.config.rope_scaling, back.config.rope_scaling_factor) == ("llama3", 32.0)
+    assert back.config == model.config
+    assert imported.pipeline == Pipeline(LLAMA3_SPLIT_PATTERN, ignore_merges=True)  # llama.cpp's llama-bpe
+    assert imported.encode(TEXT) == llama3.encode(TEXT)
+
+    monkeypatch.undo()
+    qwen2 = Tokenizer(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens,
+                      pipeline=Pipeline(QWEN2_SPLIT_PATTERN, nfc=True))
+    plan = export_gguf(model, qwen2, tmp_path / "q.gguf", name="nfc")
+    assert plan.pre == "qwen2" and "does not put text in NFC" in plan.notes[0]
+    assert main(["import", "gguf", str(tmp_path / "q.gguf"), "--out", str(tmp_path / "back_q")]) == 0
+    assert Tokenizer.load(tmp_path / "back_q" / "tokenizer").hash == qwen2.hash  # our key keeps the NFC
