@@ -96,8 +96,6 @@ def plan_gguf(model_config, tokenizer) -> GGUFPlan:
     if pipeline.nfc:
         notes.append("llama.cpp does not put text in NFC as this tokenizer does: text not already in NFC may "
                      "tokenize differently there")
-    if arch.model_type == "llama":
-        why = why.replace("Llama's layout", "llama.cpp's llama")
     return GGUFPlan(arch.model_type, f"{arch.model_type} ({why})", pre, tuple(notes))
 
 
