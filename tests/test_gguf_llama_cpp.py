@@ -163,7 +163,8 @@ def test_llama_cpp_decodes_an_f32_export_greedily_as_we_do(llama_cpp, runs, name
     dict(num_kv_heads=2, tie_embeddings=True, rope_theta=500_000.0, rope_scaling="llama3", rope_original_context=64),
     dict(qkv_bias=True, num_kv_heads=1),
     dict(qk_norm=True, head_dim=32, num_kv_heads=2),
-], ids=["llama-gqa-tied-llama3", "qwen2-biases", "qwen3-qk-norm"])
+    dict(d_model=256, num_layers=4, num_heads=4, d_ff=704, qk_norm=True),  # the demo's (modern recipe) shape
+], ids=["llama-gqa-tied-llama3", "qwen2-biases", "qwen3-qk-norm", "demo-shape"])
 def test_llama_cpp_logits_equal_ours_for_each_architecture(llama_cpp, tmp_path, switches):
     """Random weights (non-trivial gains and biases) in each layout llama.cpp runs, over a 60-token prompt, so that
     Llama 3's rope_freqs, the biases and QK-norm all show: llama.cpp's f32 logits equal ours within 1e-4."""
