@@ -17,6 +17,7 @@ Measured, per model, with the median over rounds (contenders in ABBA order, harn
   engine every entry point shares; llama.cpp: eval one token, numpy argmax, repeat), new tokens/s;
 - 8 sequences: ours decodes 8 prompts at once through the same engine, llama.cpp (one sequence at a time in
   llama-cpp-python) decodes them one after the other; new tokens/s over all 8.
+llama.cpp runs as llama-cpp-python configures it by default (KV cache in f16, flash attention off).
 The table prints tokens/s and ours/llama.cpp as a speed ratio (> 1: ours is faster), with the machine line.
 """
 
