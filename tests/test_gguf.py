@@ -294,3 +294,20 @@ def test_a_file_without_our_keys_is_read_as_llama_cpp_runs_it(tmp_path, tokenize
     assert plan.pre == "qwen2" and "does not put text in NFC" in plan.notes[0]
     assert main(["import", "gguf", str(tmp_path / "q.gguf"), "--out", str(tmp_path / "back_q")]) == 0
     assert Tokenizer.load(tmp_path / "back_q" / "tokenizer").hash == qwen2.hash  # our key keeps the NFC
+
+
+def test_bf16_tensors_are_read(tmp_path, tokenizer, monkeypatch):
+    """Files from elsewhere often hold bf16 (llama.cpp's converter writes it with --outtype bf16): each weight comes
+    back as the bf16 value of ours, as torch rounds it."""
+    import scratchlm.compat.gguf_export as gguf_export
+
+    bf16 = gguf.GGMLQuantizationType.BF16
+    monkeypatch.setattr(gguf_export, "_encoded", lambda array, _: (
+        (gguf.quants.quantize(array, bf16), bf16) if array.ndim == 2 else (array, gguf.GGMLQuantizationType.F32)))
+    model, _ = tiny_run(tmp_path, tokenizer, qk_norm=True)
+    export_gguf(model, tokenizer, tmp_path / "m.gguf", name="bf16")
+    assert {t.tensor_type for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors if len(t.shape) == 2} == {bf16}
+    back, _, _ = read_gguf(tmp_path / "m.gguf", max_gib=1.0)
+    for (name, ours), theirs in zip(model.state_dict().items(), back.state_dict().values()):
+        expected = ours.bfloat16().float() if ours.ndim == 2 else ours
+        assert torch.equal(theirs, expected), name
