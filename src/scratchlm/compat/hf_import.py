@@ -57,7 +57,7 @@ def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: t
     model_dir = Path(model_dir)
     dtype = dtype or torch.float32
     cfg = _read_model_config(model_dir / "config.json", max_gib, dtype)
-    expected = _expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
+    expected = expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
     shards = _shard_files(model_dir)
     declared = _declared_tensors(shards)
     _check_declared(declared, expected, cfg, where=", ".join(str(shard) for shard in shards))
@@ -135,7 +135,7 @@ def _check_lower_bound(document: dict, path: Path, max_gib: float, dtype: torch.
                          f"of {max_gib:g}; raise it if you mean it")
 
 
-def _expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
+def expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
     """{HF name: shape} of the model `cfg` describes, sized on the meta device (no memory); refuses a model whose
     build would allocate more than `max_gib` GiB (weights in `dtype` plus RoPE tables and causal masks)."""
     from scratchlm.compat.hf import to_hf_state_dict
