@@ -18,7 +18,7 @@ from scratchlm.compat.gguf_import import read_gguf
 from scratchlm.compat.hf import to_hf_state_dict
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.io import to_gpt2_string
+from scratchlm.tokenizer.formats.io import to_gpt2_string
 from scratchlm.tokenizer.pipeline import Pipeline
 from scratchlm.tokenizer.pretokenize import GPT4_SPLIT_PATTERN, LLAMA3_SPLIT_PATTERN
 from scratchlm.tokenizer.train_bpe import train_bpe

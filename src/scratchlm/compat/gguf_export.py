@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, LLAMA3_SPLIT_PATTERN, QWEN2_SPLIT_PATTERN
 
 if TYPE_CHECKING:  # numpy, torch and gguf are imported where they are used
@@ -103,7 +103,7 @@ def _merge_dependent_token(tokenizer) -> bytes | None:
     """An ordinary token whose bytes, as one pre-token, BPE-merge to something else (None: there is none, so
     ignoring merges for whole-token pre-tokens changes no id)."""
     from scratchlm.tokenizer.bpe import bpe_merge, merge_table
-    from scratchlm.tokenizer.io import invert_vocab
+    from scratchlm.tokenizer.formats.io import invert_vocab
 
     to_id = invert_vocab(tokenizer.vocab)
     table = merge_table(tokenizer.merges, to_id)
@@ -235,7 +235,7 @@ def _add_metadata(writer, cfg, gguf_type: str, name: str, run: str | None) -> No
 def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     from gguf import TokenType
 
-    from scratchlm.tokenizer.io import to_gpt2_string
+    from scratchlm.tokenizer.formats.io import to_gpt2_string
 
     specials = {tokenizer.special_id(token): token for token in tokenizer.special_tokens}
     tokens, types = [], []

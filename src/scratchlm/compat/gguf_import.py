@@ -270,7 +270,7 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
     from gguf import TokenType
 
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.io import from_gpt2_string
+    from scratchlm.tokenizer.formats.io import from_gpt2_string
     from scratchlm.tokenizer.pipeline import Pipeline
 
     model = fields.get("tokenizer.ggml.model", str, required=False)
