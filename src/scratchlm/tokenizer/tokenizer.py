@@ -21,6 +21,7 @@ Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
@@ -131,23 +132,28 @@ class Tokenizer:
                                    chat=(self.chat_template, self.end_of_turn_ids))
 
     # ------------------------------------------------------------------ chat
-    def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str] = (),
+    def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str | int] = (),
                            special_tokens: Iterable[str] = ()) -> Tokenizer:
-        """A copy of this tokenizer that carries template and ends a turn at the end_of_turn tokens.
+        """A copy of this tokenizer that carries template and ends a turn at the end_of_turn tokens (each a token's
+        text, made a special token, or an id in the vocab).
 
-        special_tokens (and the end_of_turn tokens) are made special tokens; those it lacks get new ids after the
+        special_tokens (and the end_of_turn texts) are made special tokens; those it lacks get new ids after the
         current vocab, in order (the model's embedding must then grow by as many rows). A template given as text
         gets ``eos_token`` "<|endoftext|>" when this tokenizer has it, as the saved tokenizer_config.json names it.
         """
         end_of_turn = list(end_of_turn)
-        specials = self.special_tokens + [token for token in dict.fromkeys([*special_tokens, *end_of_turn])
+        texts = [token for token in end_of_turn if isinstance(token, str)]
+        specials = self.special_tokens + [token for token in dict.fromkeys([*special_tokens, *texts])
                                           if token not in self.special_tokens]
         if isinstance(template, str):
             template = ChatTemplate(template, eos_token=EOS_TOKEN if EOS_TOKEN in specials else None)
-        grown = Tokenizer(self.vocab, self.merges, specials, pipeline=self.pipeline, fast=self.fast,
-                          cache_size=self._cache_size, added_token_flags=self.added_token_flags)
+        if specials == self.special_tokens:  # the same ids: share the encoder (a large vocab builds in seconds)
+            grown = copy.copy(self)
+        else:
+            grown = Tokenizer(self.vocab, self.merges, specials, pipeline=self.pipeline, fast=self.fast,
+                              cache_size=self._cache_size, added_token_flags=self.added_token_flags)
         grown.chat_template, grown.end_of_turn_ids = grown._checked_chat(
-            template, [grown.special_id(token) for token in end_of_turn])
+            template, [grown.special_id(token) if isinstance(token, str) else token for token in end_of_turn])
         return grown
 
     def with_chatml(self) -> Tokenizer:
