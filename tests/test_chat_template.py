@@ -116,6 +116,23 @@ def test_template_options_reach_the_template(pair):
         assert text.endswith("<think>\n\n</think>\n\n")
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "city": {"type": "string", "description": "The city, e.g. Zürich"}},
+                                             "required": ["city"]}}}
+
+
+def test_tools_reach_the_template(pair):
+    """Qwen's and Llama's templates write the tools' JSON schemas (tojson, with indent for Llama)."""
+    model, ours, auto = pair
+    messages = CONVERSATIONS[1]
+    extra = EXTRA.get(model, {})
+    text = auto.apply_chat_template(messages, tools=[TOOL], tokenize=False, add_generation_prompt=True, **extra)
+    assert ours.render_chat(messages, tools=[TOOL], add_generation_prompt=True, **extra) == text
+    if model.startswith(("Qwen", "Llama")):
+        assert "get_weather" in text and "Zürich" in text
+
+
 PIECES = ["Hello", " world", "\n", "\n\n", " ", "  ", "\t", "a cat", "!", "?", "<|im_end|>", "<|im_start|>",
           "<|eot_id|>", "<|endoftext|>", "<think>", "</think>", "é", "😀", "日本", "{{", "}}", "{%", "'", '"', "\\"]
 content = st.one_of(st.lists(st.sampled_from(PIECES), max_size=12).map("".join), st.text(max_size=40))
