@@ -236,6 +236,20 @@ def test_a_template_that_does_not_compile_is_refused_when_made():
         ChatTemplate("{% for m in messages %}")
 
 
+def test_a_saved_template_that_does_not_compile_names_the_file(bpe, tmp_path):
+    folder = _hf_folder("chatml", bpe, tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text("{% if %}", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"chat_template.jinja: the chat template does not compile"):
+        Tokenizer.load(folder)
+    Tokenizer(*bpe, ["<|im_start|>", "<|im_end|>"]).with_chatml().save(tmp_path / "ours")
+    path = tmp_path / "ours" / "scratchlm-tokenizer.json"
+    document = json.loads(path.read_text())
+    document["chat_template"]["source"] = "{% for %}"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"scratchlm-tokenizer.json: chat_template: the chat template does not"):
+        Tokenizer.load(tmp_path / "ours")
+
+
 def test_the_sandbox_refuses_reaching_python_internals():
     template = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatTemplateError):
