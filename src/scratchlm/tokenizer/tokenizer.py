@@ -16,7 +16,8 @@ still change (see ``_split_stable_prefix``), so its output equals ``encode`` of 
 A tokenizer may carry a chat template (``chat_template.py``) and the ids that end an assistant turn: ``render_chat``
 and ``encode_chat`` render a conversation with it; ``encode`` never looks at it.
 Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
-``hf_format.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
+``hf_format.py`` (Hugging Face's); this module only knows vocab, merges, special tokens, the pipeline and the chat
+settings.
 """
 
 from __future__ import annotations
