@@ -226,6 +226,15 @@ def test_generate(world, tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["{T}/run"], "this model's tokenizer has no chat template (a base model)"),
+    (["{T}/run", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+    (["{T}/corpus.txt"], "{T}/corpus.txt is neither a checkpoint directory"),
+])
+def test_chat(world, tmp_path, capsys, argv, message):
+    check_refused(world, tmp_path, capsys, ["chat", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
     (["--data", "{T}/val_b.tok"], "{T}/val_b.tok was encoded with tokenizer"),
     (["--data", "{T}/corpus.txt"], "{T}/corpus.txt is not a scratchlm token file"),
     (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),

@@ -179,16 +179,16 @@ def test_q_k_rows_follow_llama_cpps_rope_for_each_architecture(tmp_path, tokeniz
         assert np.array_equal(tensors["blk.1.attn_k.bias"], hf["model.layers.1.self_attn.k_proj.bias"].numpy())
 
 
-def test_chat_template_is_written_when_the_tokenizer_has_one(tmp_path, tokenizer):
-    model, _ = tiny_run(tmp_path, tokenizer)
-
-    class WithTemplate(Tokenizer):
-        chat_template = "{% for m in messages %}{{ m.content }}<|endoftext|>{% endfor %}"
-
-    with_template = WithTemplate(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
-    export_gguf(model, with_template, tmp_path / "m.gguf", name="templated")
+def test_chat_template_and_end_of_turn_go_out_and_come_back(tmp_path, tokenizer):
+    template = "{% for m in messages %}{{ m.content }}<|endoftext|>{% endfor %}"
+    chat = tokenizer.with_chat_template(template, end_of_turn=["<|endoftext|>"])
+    model, _ = tiny_run(tmp_path, chat)
+    export_gguf(model, chat, tmp_path / "m.gguf", name="templated")
     fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
-    assert fields["tokenizer.chat_template"].contents() == WithTemplate.chat_template
+    assert fields["tokenizer.chat_template"].contents() == template
+    assert fields["tokenizer.ggml.eot_token_id"].contents() == chat.special_id("<|endoftext|>")
+    _, back, _ = read_gguf(tmp_path / "m.gguf", max_gib=1.0)
+    assert back.chat_template.source == template and back.end_of_turn_ids == chat.end_of_turn_ids
     export_gguf(model, tokenizer, tmp_path / "plain.gguf", name="plain")
     assert "tokenizer.chat_template" not in gguf.GGUFReader(tmp_path / "plain.gguf").fields
 

@@ -48,8 +48,6 @@ GGUF_TYPES = ("f32", "f16", "q8_0")
 # Our split pattern -> (llama.cpp's tokenizer.ggml.pre, whether llama.cpp ignores merges for it).
 PRE_TOKENIZERS = {GPT2_SPLIT_PATTERN: ("gpt-2", False), LLAMA3_SPLIT_PATTERN: ("llama-bpe", True),
                   QWEN2_SPLIT_PATTERN: ("qwen2", False)}
-# Special tokens that end a turn in the chat formats we know (tokenizer.ggml.eot_token_id).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>")
 # Keys of our own (llama.cpp ignores keys it does not know): what lets `import gguf` rebuild the exact model.
 KEY_VERSION, KEY_RUN = "scratchlm.version", "scratchlm.run"
 KEY_NFC, KEY_IGNORE_MERGES = "scratchlm.tokenizer.nfc", "scratchlm.tokenizer.ignore_merges"
@@ -260,13 +258,9 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
         eos = tokenizer.special_id(EOS_TOKEN)
         writer.add_bos_token_id(eos)  # as export hf: our models start without a BOS; documents end with this
         writer.add_eos_token_id(eos)
-    for token in END_OF_TURN_TOKENS:
-        if token in specials.values():
-            writer.add_eot_token_id(tokenizer.special_id(token))
-            break
+    if tokenizer.end_of_turn_ids:  # where a chat turn ends (llama.cpp stops there too)
+        writer.add_eot_token_id(tokenizer.end_of_turn_ids[0])
     writer.add_add_bos_token(False)  # we never prepend one (llama.cpp would for llama-bpe by default)
     writer.add_add_eos_token(False)
-    template = getattr(tokenizer, "chat_template", None)
-    template = getattr(template, "source", template)
-    if isinstance(template, str):
-        writer.add_chat_template(template)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template.source)

@@ -310,6 +310,11 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
     pipeline = Pipeline(pattern, nfc=fields.get(KEY_NFC, bool, False),
                         ignore_merges=ignores_merges if ignore_merges is None else ignore_merges)
     try:
-        return Tokenizer(vocab, pairs, specials, pipeline=pipeline)
+        tokenizer = Tokenizer(vocab, pairs, specials, pipeline=pipeline)
+        template = fields.get("tokenizer.chat_template", str, required=False)
+        if template is None:
+            return tokenizer
+        end_of_turn = fields.get("tokenizer.ggml.eot_token_id", int, required=False)
+        return tokenizer.with_chat_template(template, end_of_turn=[] if end_of_turn is None else [end_of_turn])
     except ValueError as error:
         raise ValueError(f"{fields.path}: tokenizer: {error}") from None

@@ -13,19 +13,26 @@ Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=Fa
 from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
 ``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
-Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
-``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
+A tokenizer may carry a chat template (``chat_template.py``) and the ids that end an assistant turn: ``render_chat``
+and ``encode_chat`` render a conversation with it; ``encode`` never looks at it.
+Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats)
+and ``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens, the pipeline and the chat
+settings.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
+from scratchlm.errors import UserError
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
+from scratchlm.tokenizer.chat_template import CHATML_END, CHATML_START, CHATML_TEMPLATE, ChatTemplate
 from scratchlm.tokenizer.formats.added_tokens import FlagsByToken, checked_flags
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 from scratchlm.tokenizer.formats.io import invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
@@ -51,11 +58,16 @@ class Tokenizer:
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
     ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/added_tokens.py``): they
     change no id, only the tokenizer.json that ``save`` writes.
+    ``chat_template`` (a ``ChatTemplate`` whose named tokens are special tokens of this tokenizer, or None) renders a
+    conversation as text (``render_chat``); ``end_of_turn_ids`` are the ids that end an assistant turn (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``): a decoder answering in a chat stops at them. ``with_chat_template``
+    and ``with_chatml`` give a tokenizer both.
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
                  special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, fast: bool = True,
-                 cache_size: int = 100_000, added_token_flags: FlagsByToken | None = None) -> None:
+                 cache_size: int = 100_000, added_token_flags: FlagsByToken | None = None,
+                 chat_template: ChatTemplate | None = None, end_of_turn_ids: Iterable[int] = ()) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a tokenizer.pipeline.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
@@ -74,6 +86,7 @@ class Tokenizer:
         self._bpe = _piece_encoder(merge_table(self.merges, self._bytes_to_id), self._byte_ids, pipeline,
                                    self._ordinary_tokens() if pipeline.ignore_merges else None, fast, cache_size)
         self._hash: str | None = None
+        self.chat_template, self.end_of_turn_ids = self._checked_chat(chat_template, end_of_turn_ids)
 
     # ------------------------------------------------------------------ construction and identity
     @classmethod
@@ -83,10 +96,10 @@ class Tokenizer:
         ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
         from scratchlm.tokenizer.formats.folder import read_tokenizer_files
 
-        vocab, merges, specials, pipeline, flags = read_tokenizer_files(vocab_path, merges_path)
-        if special_tokens is not None:  # the caller's list replaces the file's, and its flags with ours
-            specials, flags = special_tokens, {}
-        return cls._built_from(vocab_path, vocab, merges, specials, pipeline, flags, fast)
+        vocab, merges, specials, pipeline, flags, chat = read_tokenizer_files(vocab_path, merges_path)
+        if special_tokens is not None:  # the caller's list replaces the file's, and its flags and chat with none
+            specials, flags, chat = special_tokens, {}, (None, ())
+        return cls._built_from(vocab_path, vocab, merges, specials, pipeline, flags, chat, fast)
 
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
@@ -94,16 +107,19 @@ class Tokenizer:
         ``merges.txt`` (the order of the files is in ``formats/folder.py``)."""
         from scratchlm.tokenizer.formats.folder import read_tokenizer_dir
 
-        vocab, merges, specials, pipeline, flags = read_tokenizer_dir(directory)
-        return cls._built_from(directory, vocab, merges, specials, pipeline, flags, fast)
+        vocab, merges, specials, pipeline, flags, chat = read_tokenizer_dir(directory)
+        return cls._built_from(directory, vocab, merges, specials, pipeline, flags, chat, fast)
 
     @classmethod
     def _built_from(cls, source: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                    special_tokens: list[str], pipeline: Pipeline, flags: FlagsByToken, fast: bool) -> Tokenizer:
+                    special_tokens: list[str], pipeline: Pipeline, flags: FlagsByToken,
+                    chat: tuple[ChatTemplate | None, tuple[int, ...]], fast: bool) -> Tokenizer:
         """A tokenizer from what was read at source; an inconsistency (say a merge whose result is not in the
         vocab) names the file or folder it came from."""
+        template, end_of_turn_ids = chat
         try:
-            return cls(vocab, merges, special_tokens, pipeline=pipeline, fast=fast, added_token_flags=flags)
+            return cls(vocab, merges, special_tokens, pipeline=pipeline, fast=fast, added_token_flags=flags,
+                       chat_template=template, end_of_turn_ids=end_of_turn_ids)
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
 
@@ -113,7 +129,70 @@ class Tokenizer:
         from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
 
         return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline,
-                                   added_token_flags=self.added_token_flags)
+                                   added_token_flags=self.added_token_flags,
+                                   chat=(self.chat_template, self.end_of_turn_ids))
+
+    # ------------------------------------------------------------------ chat
+    def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str | int] = (),
+                           special_tokens: Iterable[str] = ()) -> Tokenizer:
+        """A copy of this tokenizer that carries template and ends a turn at the end_of_turn tokens (each a token's
+        text, made a special token, or an id in the vocab).
+
+        special_tokens (and the end_of_turn texts) are made special tokens; those it lacks get new ids after the
+        current vocab, in order (the model's embedding must then grow by as many rows). A template given as text
+        gets ``eos_token`` "<|endoftext|>" when this tokenizer has it, as the saved tokenizer_config.json names it.
+        """
+        end_of_turn = list(end_of_turn)
+        texts = [token for token in end_of_turn if isinstance(token, str)]
+        specials = self.special_tokens + [token for token in dict.fromkeys([*special_tokens, *texts])
+                                          if token not in self.special_tokens]
+        if isinstance(template, str):
+            template = ChatTemplate(template, eos_token=EOS_TOKEN if EOS_TOKEN in specials else None)
+        if specials == self.special_tokens:  # the same ids: share the encoder (a large vocab builds in seconds)
+            grown = copy.copy(self)
+        else:
+            grown = Tokenizer(self.vocab, self.merges, specials, pipeline=self.pipeline, fast=self.fast,
+                              cache_size=self._cache_size, added_token_flags=self.added_token_flags)
+        grown.chat_template, grown.end_of_turn_ids = grown._checked_chat(
+            template, [grown.special_id(token) if isinstance(token, str) else token for token in end_of_turn])
+        return grown
+
+    def with_chatml(self) -> Tokenizer:
+        """A copy with ChatML: special tokens ``<|im_start|>`` and ``<|im_end|>`` (new ids after the vocab where it
+        lacks them), the plain ChatML template (no default system prompt), and ``<|im_end|>`` ending a turn."""
+        return self.with_chat_template(CHATML_TEMPLATE, end_of_turn=[CHATML_END],
+                                       special_tokens=[CHATML_START, CHATML_END])
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **extra: object) -> str:
+        """The conversation as the text the chat template makes of it (``ChatTemplate.render``); a UserError when
+        this tokenizer has no template."""
+        if self.chat_template is None:
+            raise UserError("this model's tokenizer has no chat template (a base model: `scratchlm finetune` makes "
+                            "it a chat model, with ChatML)")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **extra: object) -> list[int]:
+        """The ids of ``render_chat`` (special tokens recognised): transformers' ``apply_chat_template(...,
+        tokenize=True)``."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
+
+    def _checked_chat(self, template: ChatTemplate | None,
+                      end_of_turn_ids: Iterable[int]) -> tuple[ChatTemplate | None, tuple[int, ...]]:
+        """(template, end-of-turn ids) after checking that the template's named tokens are special tokens here (a
+        saved tokenizer_config.json names them, and transformers would add one it does not find) and that each
+        end-of-turn id is in the vocab."""
+        if template is not None and not isinstance(template, ChatTemplate):
+            raise TypeError(f"chat_template must be a ChatTemplate or None, got {type(template).__name__}")
+        for name, token in (template.named_tokens.items() if template else ()):
+            if token not in self._special_ids:
+                raise ValueError(f"the chat template's {name} {token!r} is not a special token of this tokenizer "
+                                 f"(special tokens: {self.special_tokens})")
+        end_of_turn_ids = tuple(end_of_turn_ids)
+        bad = next((token_id for token_id in end_of_turn_ids
+                    if type(token_id) is not int or token_id not in self.vocab), None)
+        if bad is not None:
+            raise ValueError(f"end-of-turn id {bad!r} is not in the vocabulary (ids 0..{self.vocab_size - 1})")
+        return template, end_of_turn_ids
 
     @property
     def vocab_size(self) -> int:
@@ -127,7 +206,11 @@ class Tokenizer:
 
         Of the content, never of a file: a tokenizer read from any file that holds it exactly (whatever its name
         or format) has this hash, so a file's new name or format never changes a recorded identity. GPT-2's
-        pipeline adds no line, so the hashes recorded before pipelines existed keep their meaning."""
+        pipeline adds no line, so the hashes recorded before pipelines existed keep their meaning.
+
+        The chat template and end-of-turn ids are not in it: they change no id of any text, so token files encoded
+        before a template was attached (or changed) are still this tokenizer's. (``with_chatml`` adds special
+        tokens, which are in it: that is another vocabulary.)"""
         if self._hash is None:
             vocab = self.vocab
             lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]
@@ -154,12 +237,14 @@ class Tokenizer:
         # Workers rebuild the lookup tables; the cache is per process.
         return {"vocab": self.vocab, "merges": self.merges, "special_tokens": self.special_tokens,
                 "pipeline": self.pipeline, "fast": self.fast, "cache_size": self._cache_size,
-                "added_token_flags": self.added_token_flags}
+                "added_token_flags": self.added_token_flags, "chat_template": self.chat_template,
+                "end_of_turn_ids": self.end_of_turn_ids}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["vocab"], state["merges"], state["special_tokens"], pipeline=state["pipeline"],
                       fast=state["fast"], cache_size=state["cache_size"],
-                      added_token_flags=state["added_token_flags"])
+                      added_token_flags=state["added_token_flags"], chat_template=state.get("chat_template"),
+                      end_of_turn_ids=state.get("end_of_turn_ids", ()))
 
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:

@@ -17,6 +17,10 @@ name it had before Hugging Face's file took it: those folders keep loading) or a
 tokenizer (a folder from the Hub, or from another library); the GPT-2 pair. The files' names never enter a
 tokenizer's identity: ``Tokenizer.hash`` is of its vocab, merges, special tokens and pipeline, whichever file they
 came from.
+
+A chat template and end-of-turn ids (``chat_template.py``) are kept in scratchlm-tokenizer.json and written to
+tokenizer_config.json; from a Hugging Face folder they are read from its tokenizer_config.json (or
+chat_template.jinja). Neither enters the hash: they change no id of any text.
 """
 
 from __future__ import annotations
@@ -31,17 +35,21 @@ from scratchlm.tokenizer.formats.hf import (
     HF_TOKENIZER_FILE,
     is_hf_document,
     parse_hf_tokenizer,
+    read_hf_chat,
     write_hf_tokenizer,
 )
 from scratchlm.tokenizer.formats.io import (
     GPT2_MERGES_FILE,
     GPT2_VOCAB_FILE,
+    NO_CHAT,
     SCRATCHLM_FILE,
+    ChatParts,
     FormatCannotHold,
     Merges,
     Vocab,
     is_scratchlm_document,
     parse_scratchlm,
+    parse_scratchlm_chat,
     read_gpt2_files,
     read_json,
     read_scratchlm_file,
@@ -51,13 +59,13 @@ from scratchlm.tokenizer.formats.io import (
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import made_folder
 
-TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]  # what every reader returns
+# what every reader returns: vocab, merges, special tokens, pipeline, added-token flags, (chat template, end of turn)
+TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken, ChatParts]
 
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
-    """(vocab, merges, special tokens, pipeline, added-token flags) from a tokenizer folder, its files tried in the
-    order the module describes."""
+    """TokenizerParts from a tokenizer folder, its files tried in the order the module describes."""
     directory = Path(directory)
     if directory.is_file():
         raise ValueError(f"tokenizer {directory} is a file; expected the directory written by `scratchlm tokenizer "
@@ -68,17 +76,22 @@ def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
     if (directory / SCRATCHLM_FILE).exists():
         return read_scratchlm_file(directory / SCRATCHLM_FILE)
     if (directory / HF_TOKENIZER_FILE).exists():
-        return read_tokenizer_json(directory / HF_TOKENIZER_FILE)
+        document = read_json(directory / HF_TOKENIZER_FILE)
+        if is_hf_document(document):  # its chat template is in the files beside it
+            parts = parse_hf_tokenizer(document, directory / HF_TOKENIZER_FILE)
+            return *parts, read_hf_chat(directory, parts[0])
+        return _parse_single_file(document, directory / HF_TOKENIZER_FILE)
     if (directory / GPT2_VOCAB_FILE).exists() and (directory / GPT2_MERGES_FILE).exists():
         vocab, merges = read_gpt2_files(directory / GPT2_VOCAB_FILE, directory / GPT2_MERGES_FILE)
-        return vocab, merges, [], GPT2_PIPELINE, {}
+        return vocab, merges, [], GPT2_PIPELINE, {}, NO_CHAT
     raise FileNotFoundError(f"{directory} holds no tokenizer: expected {SCRATCHLM_FILE}, a Hugging Face "
                             f"{HF_TOKENIZER_FILE}, or {GPT2_VOCAB_FILE} + {GPT2_MERGES_FILE} (write one with "
                             "`scratchlm tokenizer train`)")
 
 
 def read_tokenizer_json(path: Path) -> TokenizerParts:
-    """A file named tokenizer.json: scratchlm's format as saved before it had a name of its own, or Hugging Face's."""
+    """A file named tokenizer.json: scratchlm's format as saved before it had a name of its own, or Hugging Face's
+    (read alone: no chat template)."""
     return _parse_single_file(read_json(path), path)
 
 
@@ -93,21 +106,22 @@ def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None)
         raise ValueError(f"{vocab_path} is a tokenizer file that holds its own merges; pass no merges file "
                          f"(got {merges_path})")
     vocab, merges = read_gpt2_files(vocab_path, merges_path)
-    return vocab, merges, [], GPT2_PIPELINE, {}
+    return vocab, merges, [], GPT2_PIPELINE, {}, NO_CHAT
 
 
 def _parse_single_file(document: object, path: Path) -> TokenizerParts:
     if is_scratchlm_document(document):
-        return parse_scratchlm(document, path)
+        return *parse_scratchlm(document, path), parse_scratchlm_chat(document, path)
     if is_hf_document(document):
-        return parse_hf_tokenizer(document, path)
+        return *parse_hf_tokenizer(document, path), NO_CHAT
     raise ValueError(f"{path}: expected a scratchlm tokenizer (a JSON object with format_version) or a Hugging Face "
                      "tokenizer.json (a JSON object with a model); a GPT-2 vocab.json is read with its merges.txt")
 
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                        pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> Path:
+                        pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
+                        chat: ChatParts = NO_CHAT) -> Path:
     """Write the three formats into directory (created if needed); returns it.
 
     scratchlm-tokenizer.json is written first: it is what ``load`` reads first, so a failure while writing the
@@ -115,10 +129,11 @@ def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, spe
     """
     with made_folder(directory) as directory:
         write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline,
-                             added_token_flags=added_token_flags)
+                             added_token_flags=added_token_flags, chat=chat)
         _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
                                      lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline,
-                                                                added_token_flags=added_token_flags))
+                                                                added_token_flags=added_token_flags,
+                                                                chat_template=chat[0]))
         if pipeline == GPT2_PIPELINE:
             _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
                                          lambda: write_gpt2_files(directory, vocab, merges))

@@ -20,7 +20,11 @@ HF loads added tokens by their text, not by the ids written beside them: one alr
 that id, any other gets the next id after the vocab. So each special token sits in the vocab at its id, and
 every id needs a string of its own there: two ids with the same bytes, or a special token spelled like another
 token's GPT-2 string, have no exact tokenizer.json (``FormatCannotHold``). ``tokenizer_config.json`` tells
-``transformers.AutoTokenizer`` which class to build and which token ends a text.
+``transformers.AutoTokenizer`` which class to build and which token ends a text, and holds the chat template
+(``"chat_template"``, with the template's named tokens as ``bos_token``, ``eos_token`` ...), so that
+``apply_chat_template`` works on a saved folder. A folder's ``chat_template.jinja`` (transformers 5 writes the
+template there, and reads it before tokenizer_config.json) is read the same way, and removed when we write, so a
+stale one never overrides ours.
 
 Reading accepts the tokenizer.json files our encoder matches id for id: a BPE model (ignore_merges or not), one
 of the two pre-tokenizers above with no prefix space (so GPT-2's, GPT-4-style, Llama 3's and Qwen2's files), no
@@ -38,13 +42,17 @@ import json
 import re
 from pathlib import Path
 
+from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
 from scratchlm.tokenizer.formats.added_tokens import OURS, AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.formats.io import (
+    NO_CHAT,
+    ChatParts,
     FormatCannotHold,
     Merges,
     Vocab,
     from_gpt2_string,
     invert_vocab,
+    read_json,
     to_gpt2_string,
     write_atomic,
 )
@@ -53,6 +61,7 @@ from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
+HF_TEMPLATE_FILE = "chat_template.jinja"
 EOS_TOKEN = "<|endoftext|>"  # named as transformers' eos_token when the tokenizer has it
 _POSSESSIVE_INTERVAL = re.compile(r"(?<!\\)\{\d+(?:,\d*)?\}\+")  # Python's {1,3}+ is Oniguruma's ({1,3})+
 
@@ -63,13 +72,15 @@ class UnsupportedHFTokenizer(ValueError):
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                       pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> None:
+                       pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
+                       chat_template: ChatTemplate | None = None) -> None:
     """tokenizer.json + tokenizer_config.json in directory; FormatCannotHold (before writing) when no tokenizer.json
     encodes exactly as this tokenizer does."""
     document = hf_tokenizer_document(vocab, merges, special_tokens, pipeline, added_token_flags=added_token_flags)
-    config = hf_tokenizer_config(special_tokens)
+    config = hf_tokenizer_config(special_tokens, chat_template)
     write_atomic(directory / HF_TOKENIZER_FILE, json.dumps(document, ensure_ascii=False, indent=2) + "\n")
     write_atomic(directory / HF_CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    (directory / HF_TEMPLATE_FILE).unlink(missing_ok=True)
 
 
 def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str],
@@ -110,11 +121,16 @@ def _hf_pre_tokenizer(pattern: str) -> dict:
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
 
 
-def hf_tokenizer_config(special_tokens: list[str]) -> dict:
+def hf_tokenizer_config(special_tokens: list[str], chat_template: ChatTemplate | None = None) -> dict:
     """tokenizer_config.json: the class AutoTokenizer builds (4.x and 5.x know this name), the end-of-text token,
-    and no clean-up of spaces in decode (which would change the text: ``" ."`` -> ``"."``)."""
+    and no clean-up of spaces in decode (which would change the text: ``" ."`` -> ``"."``). With a chat template:
+    the template and its named tokens (which then give the end-of-text token), so that transformers renders the
+    template with the tokens we render it with."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    if EOS_TOKEN in special_tokens:
+    if chat_template is not None:
+        config.update(chat_template.named_tokens)
+        config["chat_template"] = chat_template.source
+    elif EOS_TOKEN in special_tokens:
         config["eos_token"] = EOS_TOKEN
     return config
 
@@ -187,6 +203,47 @@ def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[
     merges = [(from_gpt2_string(left, f"{path}: merge #{rank}"), from_gpt2_string(right, f"{path}: merge #{rank}"))
               for rank, (left, right) in enumerate(_read_merges(model, path))]
     return vocab, merges, list(added.values()), pipeline, {token: flag for token, flag in flags.items() if flag != OURS}
+
+
+def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
+    """The chat template of a Hugging Face tokenizer folder (``chat_template.jinja``, else tokenizer_config.json's
+    ``chat_template``) with the config's named tokens, and as end of turn the id of its ``eos_token``; NO_CHAT when
+    the folder has no template. (A model's generation_config.json may name more ids that end a turn: hf_import.py
+    adds them.)"""
+    config_path = directory / HF_CONFIG_FILE
+    config = read_json(config_path) if config_path.is_file() else {}
+    if not isinstance(config, dict):
+        raise _unreadable(config_path, "not a JSON object")
+    source = config.get("chat_template")
+    if isinstance(source, list):  # an older layout of several named templates: [{"name": ..., "template": ...}]
+        source = next((entry.get("template") for entry in source
+                       if isinstance(entry, dict) and entry.get("name") == "default"), None)
+    if (directory / HF_TEMPLATE_FILE).is_file():
+        source = (directory / HF_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if source is None:
+        return NO_CHAT
+    if not isinstance(source, str):
+        raise _unreadable(config_path, f"chat_template is {type(source).__name__}, not the template's text")
+    tokens = {name: _named_token(config, name, config_path) for name in NAMED_TOKENS}
+    try:
+        template = ChatTemplate(source, **tokens)
+    except ValueError as error:  # a template that does not compile
+        where = directory / HF_TEMPLATE_FILE if (directory / HF_TEMPLATE_FILE).is_file() else config_path
+        raise ValueError(f"{where}: {error}") from None
+    ids = invert_vocab(vocab)
+    eos = tokens["eos_token"]
+    end_of_turn = (ids[eos.encode("utf-8")],) if eos is not None and eos.encode("utf-8") in ids else ()
+    return template, end_of_turn
+
+
+def _named_token(config: dict, name: str, path: Path) -> str | None:
+    """A named token of tokenizer_config.json: a string, or an AddedToken object ``{"content": ...}``, or null."""
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise _unreadable(path, f"{name} is {value!r}, not a token's text")
+    return value
 
 
 def _unreadable(path: Path, detail: str) -> ValueError:

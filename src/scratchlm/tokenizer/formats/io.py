@@ -1,5 +1,5 @@
 """Tokenizer files, one format each: scratchlm's own ``scratchlm-tokenizer.json`` and GPT-2's ``vocab.json`` +
-``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``formats/hf.py``; which files a folder holds and the
+``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``hf.py``; which files a folder holds and the
 order ``load`` reads them in is ``folder.py``.)
 
 scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab entry and one merge per line::
@@ -19,6 +19,11 @@ Folders saved before the Hugging Face file was written beside it hold this forma
 ``tokenizer.json``; ``folder.py`` still reads them (the ``format_version`` key tells the two apart).
 Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex byte strings;
 version 2 holds each token's bytes once and reads in about half the time (GPT-2's 50k merges: ~0.03 s less).
+
+A tokenizer that carries a chat template (``chat_template.py``) adds ``"chat_template": {"source": "<Jinja2>",
+"bos_token": ..., "eos_token": ..., ...}`` (its named tokens, those set) and ``"end_of_turn": [<id>, ...]`` (the
+ids that end an assistant turn). Like the flags below, they change no id of any text, so they need no new version:
+an older scratchlm ignores them and encodes the same.
 
 A file of any version may end with ``"added_token_flags": {"<special token>": {"special": false, "normalized":
 true}, ...}``, written only for a tokenizer read from a Hugging Face file that marks some added tokens so
@@ -40,6 +45,7 @@ import os
 from functools import cache
 from pathlib import Path
 
+from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
 from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
@@ -53,6 +59,8 @@ GPT2_MERGES_FILE = "merges.txt"
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
+ChatParts = tuple[ChatTemplate | None, tuple[int, ...]]  # a tokenizer's chat template and end-of-turn ids
+NO_CHAT: ChatParts = (None, ())
 
 
 class FormatCannotHold(ValueError):
@@ -116,9 +124,11 @@ def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]:
+def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken, ChatParts]:
+    """The tokenizer in a scratchlm-tokenizer.json, and its chat template and end-of-turn ids."""
     path = Path(path)
-    return parse_scratchlm(read_json(path), path)
+    document = read_json(path)
+    return *parse_scratchlm(document, path), parse_scratchlm_chat(document, path)
 
 
 def is_scratchlm_document(document: object) -> bool:
@@ -147,6 +157,23 @@ def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[s
         raise ValueError(f"{path}: special_tokens must be a list of strings, got {specials!r}")
     pipeline = _parse_pipeline(document, path) if version == PIPELINE_FORMAT_VERSION else GPT2_PIPELINE
     return vocab, merges, list(specials), pipeline, _parse_added_token_flags(document, path)
+
+
+def parse_scratchlm_chat(document: dict, path: Path) -> ChatParts:
+    """The ``chat_template`` and ``end_of_turn`` keys of a scratchlm document (NO_CHAT when it has neither)."""
+    template, end_of_turn = document.get("chat_template"), document.get("end_of_turn", [])
+    if template is not None:
+        if not (isinstance(template, dict) and isinstance(template.get("source"), str)
+                and set(template) <= {"source", *NAMED_TOKENS}):
+            raise ValueError(f"{path}: key 'chat_template' is not an object with a string source and named tokens "
+                             f"({', '.join(NAMED_TOKENS)})")
+        try:
+            template = ChatTemplate(**template)
+        except ValueError as error:
+            raise ValueError(f"{path}: chat_template: {error}") from None
+    if not (isinstance(end_of_turn, list) and all(type(token_id) is int for token_id in end_of_turn)):
+        raise ValueError(f"{path}: key 'end_of_turn' is not a list of token ids, got {end_of_turn!r}")
+    return template, tuple(end_of_turn)
 
 
 def _parse_added_token_flags(document: dict, path: Path) -> FlagsByToken:
@@ -298,9 +325,11 @@ def read_json(path: Path) -> object:
 
 # ---------------------------------------------------------------------------------------------- writing
 def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                         pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> None:
+                         pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
+                         chat: ChatParts = NO_CHAT) -> None:
     """scratchlm-tokenizer.json (version 2, or 3 for a pipeline other than GPT-2's) with one vocab entry and one
-    merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids."""
+    merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids; chat's
+    template and end-of-turn ids as the module says."""
     ids = invert_vocab(vocab)
     missing = next((part for pair in merges for part in pair if part not in ids), None)
     if missing is not None:
@@ -318,6 +347,11 @@ def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_token
         flags = {token: {"special": flag.special, "normalized": flag.normalized}
                  for token, flag in added_token_flags.items()}
         tail += f',\n"added_token_flags": {json.dumps(flags)}'
+    template, end_of_turn = chat
+    if template is not None:
+        tail += f',\n"chat_template": {json.dumps({"source": template.source, **template.named_tokens})}'
+    if end_of_turn:
+        tail += f',\n"end_of_turn": {json.dumps(list(end_of_turn))}'
     write_atomic(path, f'{{"format_version": {version},\n"vocab": [\n{vocab_lines}\n],\n'
                        f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}'
                        f'{tail}}}\n')
