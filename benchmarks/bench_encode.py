@@ -54,7 +54,7 @@ def shared(relative: str) -> Path:
 
 def gpt2_ranks() -> tuple[dict[bytes, int], dict[str, int]]:
     """GPT-2's mergeable ranks and special tokens, as tiktoken takes them, from the fixture vocab.json."""
-    from scratchlm.tokenizer.io import invert_vocab, read_gpt2_files
+    from scratchlm.tokenizer.formats.io import invert_vocab, read_gpt2_files
 
     vocab, _ = read_gpt2_files(shared("fixtures/gpt2_vocab.json"), shared("fixtures/gpt2_merges.txt"))
     ranks = invert_vocab(vocab)

@@ -13,7 +13,8 @@ fp32, AdamW, batch 16) from the same initial weights, steps interleaved (ABBA, h
 
 Reported: real tokens per second (padding left out), and the assistant tokens (the ones the loss counts) per
 second, which is what a fine-tuning buys; also per CPU second of this process (all its threads), which other
-jobs on a shared machine disturb less than the wall clock. `scratchlm finetune` packs by default because packing measured faster.
+jobs on a shared machine disturb less than the wall clock. docs/finetune.md has the figures and the default
+they chose.
 
     .venv/bin/python benchmarks/bench_finetune.py [--quick] [--steps 6] [--threads 2] [--conversations hh-rlhf]
 """

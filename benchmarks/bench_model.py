@@ -11,7 +11,7 @@ clock, plus process CPU time per step, which stays meaningful when other jobs sh
 Peak memory of a training step is the peak RSS of a fresh subprocess per contender (interpreter, torch and
 transformers imports included alike; its one model built and loaded from the saved weights + a few
 forward/backward steps): the child's own high-water mark, which it reads from the kernel at its end
-(getrusage's ru_maxrss), exact where sampling the RSS every 10 ms missed transient peaks by tens of MB; the
+(harness.child_peak_rss_mb), exact where sampling the RSS every 10 ms missed transient peaks by tens of MB; the
 lowest of the repeats counts. Its growth over a child that only imports is the model's own (weights, gradients,
 what backward keeps, its transients). The memory runs add "plain": ours as
 model/ reads, without kernels (the readable path a learner steps through; target: growth <= Llama eager's).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import hf_llama, interleave, python_command, report, round_order  # noqa: E402
+from harness import child_peak_rss_mb, hf_llama, interleave, report, round_order  # noqa: E402
 from scratchlm.compat.hf import to_hf_state_dict  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM, kernels  # noqa: E402
 
@@ -135,20 +134,10 @@ CHILD_IMPORTS = (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).res
                  f"import bench_model as b; torch.set_num_threads(2); ")
 
 
-# Every child ends by printing its peak RSS (KB on Linux), the kernel's high-water mark of the whole run.
-PRINT_PEAK = "\nimport resource; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-
-
 def child_snippet(name: str, preset: str, batch: int, seq: int, folder: Path) -> str:
     return CHILD_IMPORTS + (
         f"cfg = b.ModelConfig.preset({preset!r}); m = b.build({name!r}, cfg, b.Path({str(folder)!r})).train(); "
         f"ids = torch.randint(0, cfg.vocab_size, ({batch}, {seq + 1})); [b.train_step(m, ids) for _ in range(3)]")
-
-
-def child_peak_mb(code: str) -> float:
-    """Run `code` in a fresh interpreter; its peak RSS in MB, as it reports it at its end (PRINT_PEAK)."""
-    stdout = subprocess.run(python_command(code + PRINT_PEAK), capture_output=True, text=True, check=True).stdout
-    return int(stdout.rsplit("PEAK_RSS_KB", 1)[1]) / 1024
 
 
 def bench_memory(preset: str, batch: int, seq: int, repeats: int, folder: Path) -> None:
@@ -157,9 +146,9 @@ def bench_memory(preset: str, batch: int, seq: int, repeats: int, folder: Path) 
     peaks: dict[str, list[float]] = {name: [] for name in snippets}
     for round_index in range(repeats):
         for name in round_order(list(snippets), round_index):
-            peaks[name].append(child_peak_mb(snippets[name]))
+            peaks[name].append(child_peak_rss_mb(snippets[name]))
     title = f"{preset} training-step peak RSS, batch {batch} x {seq}, one subprocess per run"
-    print(f"\n## {title}: each child's own high-water mark (ru_maxrss), MB, {repeats} runs each")
+    print(f"\n## {title}: each child's own high-water mark (VmHWM), MB, {repeats} runs each")
     for name, values in peaks.items():
         print(f"{name}: {', '.join(f'{value:,.1f}' for value in values)}")
     baseline = min(peaks["baseline (imports only)"])

@@ -160,6 +160,43 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * source.nbytes / statistics.median(seconds[1:])
 
 
+def peak_matmul_flops(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> float:
+    """This machine's matrix-product FLOP/s in `dtype` ("float32" or "bfloat16"), at the threads torch has now: a
+    (size x size) @ (size x size) `torch.mm` costs 2·size³ FLOPs; the median of `repeats` timed products after one
+    warm-up. Large and square, so the product runs at the kernel's best: the ceiling a training step's matmuls can
+    approach (the step's are smaller and thinner, and the step has other work besides)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(getattr(torch, dtype))
+    b = torch.randn(size, size, generator=generator).to(getattr(torch, dtype))
+    out = torch.empty(size, size, dtype=a.dtype)
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds[1:])
+
+
+# A child process ends by printing its peak RSS in KB: the kernel's high-water mark of its own memory (VmHWM).
+# Not getrusage's ru_maxrss: Linux carries the parent's high-water mark into it across the fork (or vfork) and
+# exec that start the child, so a child of a benchmark that holds models reports the parent's peak, not its own.
+PRINT_PEAK_RSS = """
+with open("/proc/self/status", encoding="ascii") as status:
+    print("PEAK_RSS_KB", next(line.split()[1] for line in status if line.startswith("VmHWM:")))
+"""
+
+
+def child_peak_rss_mb(code: str) -> float:
+    """Run a snippet of Python in a fresh interpreter; its peak RSS in MB, as the child reads it from the kernel at
+    its end (VmHWM in /proc/self/status, Linux). Exact, where sampling the RSS every few ms misses transient peaks;
+    one contender per child, so no contender pays for another's memory."""
+    stdout = subprocess.run(python_command(code + PRINT_PEAK_RSS), capture_output=True, text=True,
+                            check=True).stdout
+    return int(stdout.rsplit("PEAK_RSS_KB", 1)[1]) / 1024
+
+
 def machine_line() -> str:
     """The CPU beside every figure: its model, its widest vector ISA (and bf16 arithmetic), what ATEN_CPU_CAPABILITY
     holds torch to, the cores and the load average when measured. Reads /proc/cpuinfo, not torch, so that a

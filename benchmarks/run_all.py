@@ -1,13 +1,15 @@
-"""Run every side-by-side benchmark and record the figures in docs/benchmarks.md.
+"""Run every side-by-side benchmark, one at a time, and write their output to one Markdown file.
 
     .venv/bin/python benchmarks/run_all.py            # full runs (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick    # short runs, noisier figures
     .venv/bin/python benchmarks/run_all.py --only bench_encode bench_model
     .venv/bin/python benchmarks/run_all.py --only bench_quality   # on request only: ~20 min (3 x 5 min training)
+    .venv/bin/python benchmarks/run_all.py --out runs/benchmarks/today.md
 
 Each benchmark is a script `benchmarks/bench_*.py` that prints Markdown tables; this runner executes them one at a
-time (so they do not compete for the cores), and rewrites docs/benchmarks.md with each script's output under the
-exact command that produced it, the date, and the machine.
+time (so they do not compete for the cores) and writes each script's output under the exact command that produced
+it, the date and the machine, to `--out` (default: runs/benchmarks/run_all-DATE-TIME.md). docs/benchmarks.md is a
+reference, one current table per benchmark, updated by hand from such a record taken on a quiet machine.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "benchmarks"
-DOC = ROOT / "docs" / "benchmarks.md"
+RECORDS = ROOT / "runs" / "benchmarks"
 # Too long for the routine list (bench_quality trains three models for 5 minutes each): run only when named in --only.
 ON_REQUEST = {"bench_quality"}
 
@@ -40,17 +42,6 @@ def machine_description() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__}"
-
-
-def previous_sections() -> dict[str, str]:
-    """Sections of the existing docs/benchmarks.md by benchmark name, so a partial rerun keeps the others."""
-    if not DOC.exists():
-        return {}
-    sections = {}
-    for chunk in DOC.read_text().split("\n## ")[1:]:
-        name = chunk.split()[0]
-        sections[name] = "## " + chunk.rstrip() + "\n"
-    return sections
 
 
 def run_one(script: Path, quick: bool) -> tuple[str, str, float, int]:
@@ -68,14 +59,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
     parser.add_argument("--only", nargs="*", default=None, help="benchmark script names (without .py) to run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the Markdown record to write (default: runs/benchmarks/run_all-DATE-TIME.md)")
     args = parser.parse_args()
+    out = args.out or RECORDS / f"run_all-{datetime.datetime.now():%Y-%m-%d-%H%M}.md"
 
     scripts = sorted(BENCH_DIR.glob("bench_*.py"))
     if args.only:
         scripts = [s for s in scripts if s.stem in set(args.only)]
     else:
         scripts = [s for s in scripts if s.stem not in ON_REQUEST]
-    sections = previous_sections()
+    sections = {}
     failed = 0
     for script in scripts:
         print(f"running {script.name} ...", flush=True)
@@ -86,12 +80,12 @@ def main() -> int:
         sections[script.stem] = (f"## {script.stem}{status}\n\nRecorded {today}:\n\n```\n{command}\n```\n\n"
                                  f"{output.strip()}\n\n_(took {seconds:.0f} s)_\n")
         print(output)
-    header = (f"# Benchmarks\n\nFigures recorded by `benchmarks/run_all.py` on {machine_description()}.\n"
-              "Every benchmark runs scratchlm and its rival in the same run, interleaved, and reports medians and "
-              "the ratio. Whole commands are timed running alone; their peak RSS (the whole process tree) comes "
-              "from one more run each, sampled every 10 ms. Rerun one section with the command shown under it.\n\n")
-    DOC.write_text(header + "\n".join(sections[name] for name in sorted(sections)))
-    print(f"wrote {DOC}")
+    header = (f"# Benchmarks run by `benchmarks/run_all.py`\n\nOn {machine_description()}. Every benchmark runs "
+              "scratchlm and its rival in the same run, interleaved, and reports medians and the ratio; the current "
+              "figures of each live in docs/benchmarks.md.\n\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + "\n".join(sections[name] for name in sorted(sections)))
+    print(f"wrote {out}")
     return 1 if failed else 0
 
 

@@ -69,11 +69,13 @@ def running(app, port: int | None = None):
 
 @contextmanager
 def serving(model: TransformerLM | None = None, *, start_engine: bool = True, api_key: str | None = None,
-            **limits):
-    """An engine over `model` (default: tiny_model()) and its app, served; yields (base URL, engine)."""
-    model = model or tiny_model()
+            tokenizer: Tokenizer | None = None, **limits):
+    """An engine over `model` (default: tiny_model()) and `tokenizer` (default: byte_tokenizer()) and its app,
+    served; yields (base URL, engine)."""
+    model, tokenizer = model or tiny_model(), tokenizer or byte_tokenizer()
     settings = Limits(**limits)
-    engine = Engine(model, byte_tokenizer(), eos_id=EOS, max_batch=settings.max_batch, max_queue=settings.max_queue)
+    eos_id = tokenizer.special_id("<|endoftext|>") if "<|endoftext|>" in tokenizer.special_tokens else None
+    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=settings.max_batch, max_queue=settings.max_queue)
     if start_engine:
         engine.start()
     try:

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from scratchlm.cli import main
+from scratchlm.compat.commands import write_run
 from scratchlm.data.token_file import TokenFileWriter
+from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
 from scratchlm.train.run_lock import RunLock
 
@@ -76,6 +78,12 @@ def world(tmp_path_factory) -> Path:
     assert main(["train", "--config", str(TINY), *TINY_RUN, *data, "--set", f"data.tokenizer={root}/tokA",
                  "--run-dir", str(root / "run")]) == 0
     assert main(["export", "hf", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
+    # llama.cpp's tokenizer needs a merge (tokA has none): a run of a tokenizer with one, and its GGUF export.
+    with_merge = Tokenizer({byte: bytes([byte]) for byte in range(256)} | {256: b"th"}, [(b"t", b"h")], [])
+    write_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), with_merge, root / "gguf_run")
+    assert main(["export", "gguf", "--checkpoint", str(root / "gguf_run"), "--out", str(root / "run.gguf")]) == 0
+    relu2 = TransformerLM(ModelConfig.preset("tiny", ffn="relu2"))  # llama.cpp has no ReLU² FFN
+    write_run(relu2, token_a, root / "relu2_run")
     (root / "export").mkdir()
     (root / "export" / "config.json").write_text('{"the user": "config"}')
     (root / "user").mkdir()
@@ -252,6 +260,15 @@ def test_generate(world, tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["{T}/run"], "this model's tokenizer has no chat template (a base model)"),
+    (["{T}/run", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+    (["{T}/corpus.txt"], "{T}/corpus.txt is neither a checkpoint directory"),
+])
+def test_chat(world, tmp_path, capsys, argv, message):
+    check_refused(world, tmp_path, capsys, ["chat", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
     (["--data", "{T}/val_b.tok"], "{T}/val_b.tok was encoded with tokenizer"),
     (["--data", "{T}/corpus.txt"], "{T}/corpus.txt is not a scratchlm token file"),
     (["--data", "{T}/val.tok", "--batch-size", "0"], "--batch-size and --batches must be positive"),
@@ -289,6 +306,32 @@ def test_export_hf(world, tmp_path, capsys, argv, message):
 ])
 def test_import_hf(world, tmp_path, capsys, argv, message):
     check_refused(world, tmp_path, capsys, ["import", "hf", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{T}/notes.txt"], "--out {T}/notes.txt already exists; choose a new file, or pass --force"),
+    (["--out", "{T}/run"], "--out {T}/run is the input {T}/run"),
+    (["--out", "{T}/run/m.gguf"], "--out {T}/run/m.gguf lies inside the input {T}/run"),
+    (["--out", "{T}/export", "--force"], "--out {T}/export is a folder; give the file to write"),
+    (["--out", "{T}/new/m.gguf", "--tokenizer", "{T}/tokB"], "tokenizer {T}/tokB has hash"),
+    (["--out", "{T}/new/m.gguf", "--checkpoint", "{T}/relu2_run"],
+     "llama.cpp cannot run this model: ffn='relu2'"),
+    (["--out", "{T}/new/m.gguf"], "tokenizer has no merges: llama.cpp's byte-level BPE ('gpt2') needs"),
+])
+def test_export_gguf(world, tmp_path, capsys, argv, message):
+    check_refused(world, tmp_path, capsys, ["export", "gguf", "--checkpoint", "{T}/run", *argv], message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{T}/run.gguf", "--out", "{T}/run.gguf"], "--out {T}/run.gguf is the input {T}/run.gguf"),
+    (["{T}/run.gguf", "--out", "{T}/run"], "{T}/run already holds a run (checkpoints/)"),
+    (["{T}/run.gguf", "--out", "{T}/export"], "--out {T}/export already holds files"),
+    (["{T}/notes.txt", "--out", "{T}/new/run"], "{T}/notes.txt: not a readable GGUF file"),
+    (["{T}/missing.gguf", "--out", "{T}/new/run"], "no GGUF file at {T}/missing.gguf"),
+    (["{T}/run.gguf", "--out", "{T}/new/run", "--max-gib", "0.00001"], "over the --max-gib limit of 1e-05"),
+])
+def test_import_gguf(world, tmp_path, capsys, argv, message):
+    check_refused(world, tmp_path, capsys, ["import", "gguf", *argv], message)
 
 
 SWEEP = ["sweep", "--config", "{T}/tiny.toml", "--grid", "optim.lr=1e-3,2e-3", *TINY_RUN, *DATA]

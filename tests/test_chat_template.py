@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from conftest import require_shared
 from scratchlm.errors import UserError
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.added_tokens import AddedTokenFlags
 from scratchlm.tokenizer.chat_template import (
     CHATML_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     check_messages,
 )
+from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags
 from scratchlm.tokenizer.train_bpe import train_bpe
 
 transformers = pytest.importorskip("transformers")
@@ -114,6 +114,23 @@ def test_template_options_reach_the_template(pair):
                             **EXTRA.get(model, {})) == text
     if model == "Qwen3-0.6B":
         assert text.endswith("<think>\n\n</think>\n\n")
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "city": {"type": "string", "description": "The city, e.g. Zürich"}},
+                                             "required": ["city"]}}}
+
+
+def test_tools_reach_the_template(pair):
+    """Qwen's and Llama's templates write the tools' JSON schemas (tojson, with indent for Llama)."""
+    model, ours, auto = pair
+    messages = CONVERSATIONS[1]
+    extra = EXTRA.get(model, {})
+    text = auto.apply_chat_template(messages, tools=[TOOL], tokenize=False, add_generation_prompt=True, **extra)
+    assert ours.render_chat(messages, tools=[TOOL], add_generation_prompt=True, **extra) == text
+    if model.startswith(("Qwen", "Llama")):
+        assert "get_weather" in text and "Zürich" in text
 
 
 PIECES = ["Hello", " world", "\n", "\n\n", " ", "  ", "\t", "a cat", "!", "?", "<|im_end|>", "<|im_start|>",
@@ -217,6 +234,20 @@ def test_a_template_that_refuses_says_why():
 def test_a_template_that_does_not_compile_is_refused_when_made():
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% for m in messages %}")
+
+
+def test_a_saved_template_that_does_not_compile_names_the_file(bpe, tmp_path):
+    folder = _hf_folder("chatml", bpe, tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text("{% if %}", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"chat_template.jinja: the chat template does not compile"):
+        Tokenizer.load(folder)
+    Tokenizer(*bpe, ["<|im_start|>", "<|im_end|>"]).with_chatml().save(tmp_path / "ours")
+    path = tmp_path / "ours" / "scratchlm-tokenizer.json"
+    document = json.loads(path.read_text())
+    document["chat_template"]["source"] = "{% for %}"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=r"scratchlm-tokenizer.json: chat_template: the chat template does not"):
+        Tokenizer.load(tmp_path / "ours")
 
 
 def test_the_sandbox_refuses_reaching_python_internals():

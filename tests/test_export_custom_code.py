@@ -21,7 +21,7 @@ from scratchlm.compat.hf_custom_code import CONFIG_FILE, MODELING_FILE, export_c
 from scratchlm.generate.decoding import generate
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.train.loss import cross_entropy
 

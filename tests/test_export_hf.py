@@ -14,7 +14,7 @@ from scratchlm.compat.commands import write_run
 from scratchlm.compat.hf_import import read_hf_tokenizer
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, write_hf_tokenizer
+from scratchlm.tokenizer.formats.hf import UnsupportedHFTokenizer, write_hf_tokenizer
 from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.train.checkpoint import load_for_inference
 

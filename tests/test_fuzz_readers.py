@@ -7,20 +7,25 @@ are near-valid: those find the checks a purely random file never reaches. A hypo
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scratchlm.compat.gguf_export import export_gguf
 from scratchlm.data.token_file import open_token_file, write_token_file
 from scratchlm.errors import UserError
+from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.folder import write_tokenizer_dir
-from scratchlm.tokenizer.io import read_gpt2_files
+from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
+from scratchlm.tokenizer.formats.io import read_gpt2_files
 
+HAS_GGUF = importlib.util.find_spec("gguf") is not None
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CLEAR_ERRORS = (ValueError, UserError)
 
@@ -36,6 +41,11 @@ with tempfile.TemporaryDirectory() as _folder:  # the seed files every mutation 
              for name in ("scratchlm-tokenizer.json", "tokenizer.json", "vocab.json", "merges.txt")}
     write_token_file(Path(_folder) / "seed.tok", np.arange(40) % 300, vocab_size=300)
     SEEDS["seed.tok"] = (Path(_folder) / "seed.tok").read_bytes()
+    if HAS_GGUF:  # a one-layer model in q8_0, so that the header (tokens, merges, keys) is about half the file
+        export_gguf(TransformerLM(ModelConfig.preset("tiny", vocab_size=259, d_model=32, num_heads=2, d_ff=32,
+                                                     num_layers=1)),
+                    _seed_tokenizer(), Path(_folder) / "seed.gguf", "q8_0", name="seed")
+        SEEDS["seed.gguf"] = (Path(_folder) / "seed.gguf").read_bytes()
 
 
 @st.composite
@@ -109,6 +119,25 @@ def test_token_file_reader_on_mutated_bytes(tmp_path_factory, data, expected_voc
     assert len(tokens) == token_file.num_tokens and path.stat().st_size == 64 + tokens.nbytes
     if expected_vocab is not None:
         assert tokens.size == 0 or int(tokens.max()) < token_file.vocab_size <= expected_vocab
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="the [gguf] extra is not installed")
+@settings(FUZZ, deadline=10_000)  # a case builds a model (the first one imports the gguf package and numpy paths)
+@given(data=mutated(SEEDS.get("seed.gguf", b"")))
+def test_gguf_import_of_mutated_bytes(tmp_path_factory, data):
+    from scratchlm.compat.gguf_import import read_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    path.write_bytes(data)
+    try:
+        model, tokenizer, _ = read_gguf(path, max_gib=0.1)
+    except Exception as error:  # noqa: BLE001
+        _must_be_clear(error, path)
+        return
+    assert model.config.vocab_size >= 256  # what loads, runs
+    model(torch.tensor([[0, 1, 2]]))
+    if tokenizer is not None:
+        assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
 
 
 def test_a_damaged_body_id_is_refused_at_open_with_its_position(tmp_path):

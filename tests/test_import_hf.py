@@ -23,7 +23,7 @@ from scratchlm.compat.hf_import import read_hf_folder, read_hf_model
 from scratchlm.compat.safetensors_header import read_safetensors_header
 from scratchlm.generate.decoding import generate
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+from scratchlm.tokenizer.formats.hf import write_hf_tokenizer
 from scratchlm.train.checkpoint import load_for_inference
 
 transformers = pytest.importorskip("transformers")

@@ -159,7 +159,7 @@ def test_another_model_or_tokenizer_is_refused(world, tmp_path, capsys, argv, me
 def test_init_from_a_hugging_face_llama_folder(world, tmp_path):
     """A bf16 LlamaForCausalLM saved by transformers: trained in fp32 from its weights, with its tokenizer.json."""
     transformers = pytest.importorskip("transformers")
-    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+    from scratchlm.tokenizer.formats.hf import write_hf_tokenizer
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,

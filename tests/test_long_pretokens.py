@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.bpe import reference_encode, reference_train_from_counts
 from scratchlm.tokenizer.fast import long_merge
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
 from scratchlm.tokenizer.fast.long_merge import LongPieceMerger, _is_monotone
 from scratchlm.tokenizer.fast.merge import merge_by_scan
 from scratchlm.tokenizer.long_words import LongWords
-from scratchlm.tokenizer.reference import reference_encode, reference_train_from_counts
 from scratchlm.tokenizer.train_bpe import train_bpe_from_counts
 from test_tokenizer import _random_merge_table
 

@@ -61,6 +61,17 @@ def test_hf_commands_without_the_hf_extra_say_so_in_one_line(argv, extra_line, m
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv", [["export", "gguf", "--checkpoint", "nowhere", "--out", "out.gguf"],
+                                  ["import", "gguf", "nowhere.gguf", "--out", "out"]])
+def test_gguf_commands_without_the_gguf_extra_say_so_in_one_line(argv, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    hide(monkeypatch, "gguf")
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"scratchlm {argv[0]} gguf needs the gguf package" in err
+    assert "pip install 'scratchlm[gguf]'" in err and not list(tmp_path.iterdir())
+
+
 def test_hf_export_needs_tokenizers_too(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     hide(monkeypatch, "tokenizers")

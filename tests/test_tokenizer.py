@@ -19,19 +19,18 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from conftest import gpt2_file_paths, gpt2_tokenizer, require_shared
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.bpe import merge_table
+from scratchlm.tokenizer.bpe import merge_table, reference_encode
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
 from scratchlm.tokenizer.fast.long_merge import _is_monotone
 from scratchlm.tokenizer.fast.merge import merge_by_scan, merge_with_heap
 from scratchlm.tokenizer.pretokenize import GPT2_ASCII_SPLIT_REGEX, last_space_boundary, pretokens, split_pretokens
-from scratchlm.tokenizer.reference import reference_encode
 
 EOT = "<|endoftext|>"
 SETTINGS = settings(max_examples=150, deadline=None)
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's unicode -> byte table, written out independently of scratchlm.tokenizer.io (an oracle)."""
+    """GPT-2's unicode -> byte table, written out independently of scratchlm.tokenizer.formats.io (an oracle)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from conftest import gpt2_file_paths, require_shared
 from scratchlm.cli import main
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer, is_hf_document, write_hf_tokenizer
-from scratchlm.tokenizer.io import FormatCannotHold
+from scratchlm.tokenizer.formats.hf import UnsupportedHFTokenizer, is_hf_document, write_hf_tokenizer
+from scratchlm.tokenizer.formats.io import FormatCannotHold
 from scratchlm.tokenizer.train_bpe import train_bpe
 
 hf_tokenizers = pytest.importorskip("tokenizers")

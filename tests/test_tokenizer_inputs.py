@@ -27,10 +27,10 @@ from scratchlm.cli import main
 from scratchlm.data import sources
 from scratchlm.data.sources import Source, source_of
 from scratchlm.tokenizer import Tokenizer, training_inputs
+from scratchlm.tokenizer.bpe import reference_pretoken_counts, reference_train_from_counts
 from scratchlm.tokenizer.commands import describe_size
 from scratchlm.tokenizer.counting import count_text
 from scratchlm.tokenizer.pretokenize import special_token_regex
-from scratchlm.tokenizer.reference import reference_pretoken_counts, reference_train_from_counts
 from scratchlm.tokenizer.train_bpe import train_bpe
 from scratchlm.tokenizer.training_inputs import count_input_pretokens, safe_parts
 

@@ -28,10 +28,11 @@ from scratchlm.cli import main
 from scratchlm.data.encode import encode_corpus
 from scratchlm.data.token_file import open_token_file
 from scratchlm.tokenizer import Tokenizer, train_bpe
+from scratchlm.tokenizer.bpe import reference_pretoken_counts, reference_train_bpe
 from scratchlm.tokenizer.counting import count_pretokens
 from scratchlm.tokenizer.fast.tiktoken_engine import TiktokenTokenizer
-from scratchlm.tokenizer.hf_format import UnsupportedHFTokenizer
-from scratchlm.tokenizer.io import FormatCannotHold
+from scratchlm.tokenizer.formats.hf import UnsupportedHFTokenizer
+from scratchlm.tokenizer.formats.io import FormatCannotHold
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
     GPT2_SPLIT_PATTERN,
@@ -41,7 +42,6 @@ from scratchlm.tokenizer.pretokenize import (
     QWEN2_SPLIT_PATTERN,
     pretokens,
 )
-from scratchlm.tokenizer.reference import reference_pretoken_counts, reference_train_bpe
 from scratchlm.tokenizer.training_inputs import count_input_pretokens
 
 hf_tokenizers = pytest.importorskip("tokenizers")
@@ -396,7 +396,7 @@ def test_a_possessive_interval_gets_no_hf_file(training_file, tmp_path):
         Tokenizer(vocab, merges, pipeline=Pipeline(pattern)).save(tmp_path / "tok")
     assert not (tmp_path / "tok" / "tokenizer.json").exists()
     with pytest.raises(FormatCannotHold):
-        from scratchlm.tokenizer.hf_format import hf_tokenizer_document
+        from scratchlm.tokenizer.formats.hf import hf_tokenizer_document
 
         hf_tokenizer_document(vocab, merges, [], Pipeline(pattern))
 

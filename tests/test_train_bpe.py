@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from conftest import require_shared
 from scratchlm.cli import main
 from scratchlm.tokenizer import counting
-from scratchlm.tokenizer.counting import count_pretokens, plan_chunks, word_aligned_parts
-from scratchlm.tokenizer.pretokenize import pretokens
-from scratchlm.tokenizer.reference import (
+from scratchlm.tokenizer.bpe import (
     reference_encode,
     reference_pretoken_counts,
     reference_train_bpe,
     reference_train_from_counts,
 )
+from scratchlm.tokenizer.counting import count_pretokens, plan_chunks, word_aligned_parts
+from scratchlm.tokenizer.pretokenize import pretokens
 from scratchlm.tokenizer.train_bpe import _descending_key, train_bpe, train_bpe_from_counts
 
 EOT = "<|endoftext|>"

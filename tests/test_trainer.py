@@ -287,12 +287,10 @@ def test_unwritable_run_directory(data, tmp_path: Path):
         train(tiny_config(data, blocker / "run"), quiet=True)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ("model.d_model=32", "step_0000012 does not fit this model: parameter 'token_embeddings.weight' has shape"),
-    ("model.rope_theta=500", "cannot resume from .*step_0000012: it was trained with model"),  # same shapes
-])
-def test_resume_with_another_model_is_refused(data, finished_run: Path, change: str, message: str):
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize("change", ["model.d_model=32", "model.rope_theta=500"])  # other shapes; the same shapes
+def test_resume_with_another_model_is_refused(data, finished_run: Path, change: str):
+    """Refused when the run is resolved, before a model is built or a weight is read."""
+    with pytest.raises(ValueError, match="cannot resume from .*step_0000012: it was trained with model"):
         train(tiny_config(data, finished_run, change), resume=True, quiet=True)
 
 

@@ -3,7 +3,8 @@
 A plain ``pip install scratchlm`` trains, evaluates and generates (torch, numpy, regex, tqdm, safetensors). The
 extras in pyproject.toml add one feature each: ``[plot]`` learning curves (matplotlib), ``[hf]`` export/import of
 Hugging Face checkpoints (transformers, tokenizers), ``[hub]`` the Hugging Face Hub (huggingface_hub: `data download`,
-`export hf --push-to-hub`), ``[tracking]`` TensorBoard and W&B, ``[serve]`` `scratchlm serve` (fastapi, uvicorn).
+`export hf --push-to-hub`), ``[tracking]`` TensorBoard and W&B, ``[serve]`` `scratchlm serve` (fastapi, uvicorn),
+``[gguf]`` `export gguf` / `import gguf` (the gguf package, llama.cpp's GGUF reader and writer).
 A feature asked for without its extra fails with one line naming the extra, never a traceback; the curves, which
 nobody asked for explicitly, are skipped with one warning instead (trainer.py).
 """

@@ -91,3 +91,11 @@ def removed_on_failure(out: Path, *, keep_results: bool = False) -> Iterator[Pat
         else:
             shutil.rmtree(missing[-1], ignore_errors=True)
         raise
+
+
+def refuse_file(out: Path, *, force: bool, flag: str = "--out") -> None:
+    """For a command that writes one file: refuse a folder at ``out``, and an existing file unless ``force``."""
+    if out.is_dir():
+        raise UserError(f"{flag} {out} is a folder; give the file to write")
+    if out.exists() and not force:
+        raise UserError(f"{flag} {out} already exists; choose a new file, or pass --force to replace it")

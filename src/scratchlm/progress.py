@@ -1,7 +1,8 @@
 """Progress bars that cost nothing when hidden: tqdm is imported only for a bar that is shown.
 
-tqdm's import is ~20 ms, a tenth of a short command's start-up (`data encode`, BPE training on a small file), and
-those commands hide their bars when not on a terminal or with --quiet.
+Why: importing tqdm is a visible share of a short command's start-up (`data encode`, BPE training on a small file;
+figures in docs/benchmarks.md), and those commands hide their bars when not on a terminal or with --quiet, so a
+hidden bar must not pay for the import.
 """
 
 from __future__ import annotations

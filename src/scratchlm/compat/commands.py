@@ -1,4 +1,4 @@
-"""`scratchlm export hf` and `scratchlm import hf`: trade checkpoints with the Hugging Face ecosystem.
+"""`scratchlm export hf|gguf` and `scratchlm import hf|gguf`: trade checkpoints with Hugging Face and llama.cpp.
 
 Export writes a folder that `transformers.AutoModelForCausalLM` and `AutoTokenizer` load offline, in the
 architecture compat/hf_export.py chooses (Llama, Qwen2, Qwen3, or custom code), and prints which one and why.
@@ -6,6 +6,8 @@ Import reads a Llama, Mistral, Qwen2 or Qwen3 folder (compat/hf_import.py; anyth
 refused naming the field) into a run directory that `generate` and `eval` accept: ``config.toml``, a step-0
 checkpoint written by the checkpoint module, and ``tokenizer/`` when the folder has a byte-level BPE tokenizer
 that our encoder matches (another kind is left out, saying why).
+`export gguf` writes one GGUF file for llama.cpp (compat/gguf_export.py); `import gguf` reads one back
+(compat/gguf_import.py) into a run directory the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scratchlm.compat.gguf_export import GGUF_TYPES
 from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, HF_PACKAGES
 from scratchlm.config import DTYPES, TORCH_DTYPE_NAMES
 
@@ -35,6 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "HF_TOKEN or `hf auth login`; needs the [hub] extra)")
     hf.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     hf.set_defaults(func=run_export_hf)
+    gguf = export_formats.add_parser("gguf", help="one GGUF file for llama.cpp / ollama (llama, Qwen2, Qwen3)",
+                                     description="Write the model and its tokenizer as one GGUF file that llama.cpp "
+                                                 "loads, in the architecture `export hf` would choose (llama, qwen2 "
+                                                 "or qwen3); a model llama.cpp cannot run is refused.")
+    gguf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    gguf.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
+    gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", dest="gguf_type",
+                      help="weight type: f32 (default, exact), f16, or q8_0 (2-D weights quantised as llama.cpp "
+                           "does; norms and biases stay f32)")
+    gguf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
+    gguf.add_argument("--force", action="store_true", help="replace an existing file")
+    gguf.set_defaults(func=run_export_gguf)
 
     imp = subparsers.add_parser("import", help="import a checkpoint from another format",
                                 description="Import a model from another ecosystem as a scratchlm run directory.")
@@ -52,6 +67,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "widen to it exactly)")
     hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
     hf.set_defaults(func=run_import_hf)
+    gguf = import_formats.add_parser("gguf", help="GGUF file (llama.cpp's llama, qwen2, qwen3; f32/f16/bf16/q8_0)",
+                                     description="Read a GGUF file of llama.cpp's llama, qwen2 or qwen3 architecture "
+                                                 "(weights f32, f16, bf16 or q8_0, dequantised) into a run directory.")
+    gguf.add_argument("file", type=Path, help="the .gguf file")
+    gguf.add_argument("--out", required=True, type=Path, help="run directory to create")
+    gguf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
+                      help=f"refuse a file whose model would allocate more than this many GiB before its weights "
+                           f"are read (default {DEFAULT_MAX_GIB:g})")
+    gguf.add_argument("--dtype", choices=DTYPES, default="fp32",
+                      help="build the model and store its weights in this dtype (default fp32)")
+    gguf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
+    gguf.set_defaults(func=run_import_gguf)
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -85,6 +112,29 @@ def run_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export_gguf(args: argparse.Namespace) -> int:
+    from scratchlm.compat.gguf_export import export_gguf
+    from scratchlm.extras import require
+    from scratchlm.output_paths import refuse_file, refuse_inputs, removed_on_failure
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    require("gguf", "gguf", "scratchlm export gguf")
+    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
+    refuse_file(args.out, force=args.force)
+    model, config = load_for_inference(args.checkpoint)
+    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+    name = Path(config.train.run_dir).name if config.train.run_dir else args.checkpoint.resolve().name
+    with removed_on_failure(args.out.parent):  # the folders made for it, when the export fails
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        plan = export_gguf(model, tokenizer, args.out, args.gguf_type, name=name, run=str(args.checkpoint))
+    print(f"architecture {plan.why}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out} ({args.gguf_type}, {args.out.stat().st_size:,} bytes)")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- import
 
 def run_import_hf(args: argparse.Namespace) -> int:
@@ -111,6 +161,28 @@ def run_import_hf(args: argparse.Namespace) -> int:
         checkpoint = write_run(model, tokenizer, run_dir)
     note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"
     print(f"wrote run directory {run_dir} with checkpoint {checkpoint}{note}")
+    return 0
+
+
+def run_import_gguf(args: argparse.Namespace) -> int:
+    import torch
+
+    from scratchlm.compat.gguf_import import read_gguf
+    from scratchlm.errors import UserError
+    from scratchlm.extras import require
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+
+    require("gguf", "gguf", "scratchlm import gguf")
+    refuse_inputs(args.out, [args.file])
+    if (args.out / "checkpoints").exists():
+        raise UserError(f"{args.out} already holds a run (checkpoints/); choose a new --out")
+    refuse_foreign_folder(args.out, force=args.force)
+    dtype = getattr(torch, TORCH_DTYPE_NAMES[args.dtype])
+    model, tokenizer, missing = read_gguf(args.file, max_gib=args.max_gib, dtype=dtype)
+    with removed_on_failure(args.out):
+        checkpoint = write_run(model, tokenizer, args.out)
+    note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"
+    print(f"wrote run directory {args.out} with checkpoint {checkpoint}{note}")
     return 0
 
 

@@ -28,7 +28,7 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 
 MODEL_TYPE = "scratchlm"
 CONFIG_FILE, MODELING_FILE = "configuration_scratchlm.py", "modeling_scratchlm.py"
@@ -49,7 +49,7 @@ def export_custom_code(model, tokenizer, out: Path) -> None:
     """Write `model` (a TransformerLM) and `tokenizer` as a custom-code Hugging Face folder `out` (module docstring)."""
     from safetensors.torch import save_file
 
-    from scratchlm.tokenizer.hf_format import write_hf_tokenizer
+    from scratchlm.compat.hf_export import write_hf_tokenizer_and_stops
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
@@ -71,5 +71,4 @@ def export_custom_code(model, tokenizer, out: Path) -> None:
                 (out / name).write_bytes(templates.joinpath(name).read_bytes())
         with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens,
-                           added_token_flags=tokenizer.added_token_flags)
+        write_hf_tokenizer_and_stops(out, tokenizer)

@@ -4,8 +4,11 @@
 llama3 RoPE scaling), mistral (without a sliding window shorter than its context), qwen2 / qwen2.5 (q/k/v
 biases) and qwen3 (QK-norm, explicit head_dim); weights in one ``model.safetensors`` or in the shards that
 ``model.safetensors.index.json`` lists, stored as float32, bfloat16 or float16, built in the dtype asked for.
-`read_hf_tokenizer` reads the folder's byte-level BPE tokenizer.json; `read_hf_folder` does both (what
-`scratchlm import hf` writes a run from, and what another module uses to start from a pretrained model).
+`read_hf_tokenizer` reads the folder's byte-level BPE tokenizer.json, with the chat template of its
+tokenizer_config.json (or chat_template.jinja) and, as the ids that end a turn, the config's eos_token and every
+``eos_token_id`` of generation_config.json (Llama 3.2 Instruct: <|eot_id|>, <|eom_id|>, <|end_of_text|>);
+`read_hf_folder` does both (what `scratchlm import hf` writes a run from, and what another module uses to start
+from a pretrained model).
 
 A hostile folder costs no memory and no time before its error, so the order matters: config.json is parsed and
 checked (every unsupported field refused by name), its size bounded from its numbers alone, the model it
@@ -34,7 +37,7 @@ def read_hf_folder(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: 
     """(TransformerLM, Tokenizer or None, why the tokenizer is None or None): the folder's model and tokenizer.
     A tokenizer our encoder does not match (WordPiece, a normalizer...) is left out, saying why; the weights are
     still worth having."""
-    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
+    from scratchlm.tokenizer.formats.hf import HF_TOKENIZER_FILE, UnsupportedHFTokenizer
 
     model = read_hf_model(model_dir, max_gib=max_gib, dtype=dtype)
     try:
@@ -57,7 +60,7 @@ def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: t
     model_dir = Path(model_dir)
     dtype = dtype or torch.float32
     cfg = _read_model_config(model_dir / "config.json", max_gib, dtype)
-    expected = _expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
+    expected = expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
     shards = _shard_files(model_dir)
     declared = _declared_tensors(shards)
     _check_declared(declared, expected, cfg, where=", ".join(str(shard) for shard in shards))
@@ -75,15 +78,42 @@ def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: t
 
 
 def read_hf_tokenizer(model_dir: Path):
-    """Our Tokenizer from the folder's Hugging Face ``tokenizer.json``, or None when it has none.
+    """Our Tokenizer from the folder's Hugging Face ``tokenizer.json``, with its chat template and end-of-turn ids
+    (the module says which), or None when it has no tokenizer.json.
 
     Raises ``UnsupportedHFTokenizer`` for a tokenizer our encoder does not match (WordPiece, a normalizer...) and
-    a ValueError naming the file for a malformed one (tokenizer/hf_format.py reads it)."""
+    a ValueError naming the file for a malformed one (tokenizer/formats/hf.py reads it)."""
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.hf_format import HF_TOKENIZER_FILE
+    from scratchlm.tokenizer.formats.hf import HF_TOKENIZER_FILE, read_hf_chat
 
-    path = Path(model_dir) / HF_TOKENIZER_FILE
-    return Tokenizer.from_files(path) if path.is_file() else None
+    model_dir = Path(model_dir)
+    path = model_dir / HF_TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    tokenizer = Tokenizer.from_files(path)
+    template, end_of_turn = read_hf_chat(model_dir, tokenizer.vocab)
+    if template is None:
+        return tokenizer
+    stops = [*end_of_turn, *_generation_eos_ids(model_dir, tokenizer.vocab_size)]
+    try:
+        return tokenizer.with_chat_template(template, end_of_turn=dict.fromkeys(stops))
+    except ValueError as error:  # a named token that is no special token, say
+        raise ValueError(f"{model_dir}: {error}") from None
+
+
+def _generation_eos_ids(model_dir: Path, vocab_size: int) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids): where transformers' generate() stops."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise ValueError(f"{path}: not a JSON object ({error})") from None
+    ids = [value] if type(value) is int else value if isinstance(value, list) else []
+    if value is not None and not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"{path}: eos_token_id {value!r} is not an id or a list of ids in [0, {vocab_size})")
+    return ids
 
 
 def _read_model_config(path: Path, max_gib: float, dtype: torch.dtype):
@@ -135,7 +165,7 @@ def _check_lower_bound(document: dict, path: Path, max_gib: float, dtype: torch.
                          f"of {max_gib:g}; raise it if you mean it")
 
 
-def _expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
+def expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
     """{HF name: shape} of the model `cfg` describes, sized on the meta device (no memory); refuses a model whose
     build would allocate more than `max_gib` GiB (weights in `dtype` plus RoPE tables and causal masks)."""
     from scratchlm.compat.hf import to_hf_state_dict

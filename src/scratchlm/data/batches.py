@@ -4,8 +4,8 @@
   tokens, targets the last T (shifted by one). Only the B·(T+1) sampled tokens are read: a (B, T+1) index
   array fancy-indexes the memmap, so the OS pages in just those windows, never the whole file. The mapping is
   advised ``MADV_RANDOM`` first: without it, each page fault triggers kernel read-ahead of neighbouring pages
-  that random windows never use (measured: 20 batches from a 4 GiB file took 3.3 s with read-ahead, 12 ms
-  without).
+  that random windows never use, and sampling from a large file reads far more than the windows (figures in
+  docs/benchmarks.md).
 - ``BatchSampler``: the trainer's seeded sampler. Its random stream is a numpy ``Generator`` seeded from
   (seed, rank), so every rank of a distributed run draws a distinct stream, and its state is a JSON-able dict:
   resuming from ``state_dict()`` reproduces the following batches exactly.

@@ -13,9 +13,9 @@ a cache of `capacity` rows and decodes its first `rows` (`cache`, a KVCache over
   steps stop attending over them: the engine compacts whenever rows leave). Every row's own tokens (prompt +
   completion) fit the context, so after compacting the longest row has room.
 
-Why buffers allocated once: a new cache for every join and leave zero-filled fresh pages of the batch's whole
-size (and the copies faulted them in), which cost as much as a decoding step each time (~4 ms at 8 rows of
-tinystories-17m); a join or a leave now copies only the rows that move. They are left unwritten (KVCache's
+Why buffers allocated once: a new cache for every join and leave would zero-fill fresh pages of the batch's whole
+size (and the copies would fault them in), about the cost of a decoding step each time (docs/benchmarks.md); a
+join or a leave copies only the rows that move. They are left unwritten (KVCache's
 `zeroed=False`): only written positions are ever read (a joining row's padding columns are zeroed as it
 joins), and on a CPU an idle server's pages take no memory, however many rows it has room for. Invariant: in every row,
 the columns from the cache's length on are marked real (True), as a fresh KVCache has them, so each decoding

@@ -27,6 +27,11 @@ EPILOG = """examples:
   scratchlm generate --checkpoint runs/demo --num-samples 3 --seed 0 --top-k 50
   scratchlm generate --checkpoint runs/demo --dtype bf16                             # bf16 weights
   scratchlm generate --cs336-checkpoint ckpt.pt --preset tinystories-17m --tokenizer tok/   # a CS336 model"""
+CHAT_EPILOG = """examples:
+  scratchlm chat runs/smollm2-instruct
+  scratchlm chat runs/story-chat --system "You tell short stories." --temperature 0.7
+  echo "Tell me a story about a cat." | scratchlm chat runs/story-chat --seed 0   # one reply, then end of input"""
+CHAT_COMMANDS = {"/reset": "start over (keeping --system)", "/exit": "end the chat"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,12 +43,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", type=Path, help="run directory or checkpoint directory")
     parser.add_argument("--prompt", action="append", help="text to continue (default: start a new document); "
                         "give it again for more prompts, decoded together")
+    add_sampling_arguments(parser)
+    parser.add_argument("--num-samples", type=int, default=1, help="how many samples (default: 1)")
+    add_cs336_checkpoint_arguments(parser)
+    parser.set_defaults(func=run_generate)
+    register_chat(subparsers)
+
+
+def register_chat(subparsers: argparse._SubParsersAction) -> None:
+    """`scratchlm chat RUN`: a terminal chat with the run's model, on generate's sampling flags."""
+    parser = subparsers.add_parser(
+        "chat", help="talk to a chat model in the terminal (replies streamed)", epilog=CHAT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A multi-turn chat with a model whose tokenizer has a chat template (an imported instruct "
+                    "model, or one made by `scratchlm finetune`). Each line you type is a user message; the reply "
+                    "is printed as it is sampled and ends at the end of the model's turn. /reset starts over "
+                    "(keeping --system), /exit (or end of input) ends.")
+    parser.add_argument("checkpoint", type=Path, metavar="RUN", help="run directory or checkpoint directory")
+    parser.add_argument("--system", default=None, help="a system message that starts the conversation")
+    add_sampling_arguments(parser)
+    parser.set_defaults(func=run_chat, cs336_checkpoint=None, model_config=None, preset=None, model_overrides=[])
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling, tokenizer and device flags of `generate`, which `chat` takes too."""
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="token budget per sample (default: what the context leaves after the prompt, at most 256)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 disables (default: 0.9)")
     parser.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
-    parser.add_argument("--num-samples", type=int, default=1, help="how many samples (default: 1)")
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's "
                                                                       "copy, RUN/tokenizer)")
@@ -54,29 +82,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="decode a bf16 model on the CPU through torch.compile: faster per token after a "
                              "compile of seconds (worth it for long or many samples; other dtypes decode as without)")
-    add_cs336_checkpoint_arguments(parser)
-    parser.set_defaults(func=run_generate)
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def load_model_and_tokenizer(args: argparse.Namespace, command: str):
+    """(model in --dtype on --device, its run's tokenizer) for a command with add_sampling_arguments' flags; the
+    tokenizer is the run's own (or --tokenizer), refused when its hash is not the run's."""
     import torch
 
     from scratchlm.errors import UserError
-    from scratchlm.generate.decoding import generate, stream
     from scratchlm.train.setup import select_device
     from scratchlm.train.tokenizer_identity import tokenizer_for_run
 
-    if args.num_samples < 1:
-        raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     model, config = load_model_for_command(args, device=select_device(args.device))
     model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype]))
-    # The run's own tokenizer (or --tokenizer); refuses one whose hash is not the run's.
     tokenizer = tokenizer_for_run(args.checkpoint or args.cs336_checkpoint, config, args.tokenizer)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}: "
                         f"is --tokenizer the one this model was trained with?")
+    say_if_not_compiled(args.compile, model, f"scratchlm {command}")
+    return model, tokenizer
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from scratchlm.errors import UserError
+    from scratchlm.generate.decoding import generate, stream
+
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
+    model, tokenizer = load_model_and_tokenizer(args, "generate")
     eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
-    say_if_not_compiled(args.compile, model, "scratchlm generate")
     texts = args.prompt or [""]
     prompts = [tokenizer.encode(text) if text else ([eos_id] if eos_id is not None else []) for text in texts]
     if not all(prompts):
@@ -103,6 +137,41 @@ def run_generate(args: argparse.Namespace) -> int:
               f"/{args.num_samples} ---" if len(texts) > 1 else f"--- sample {index + 1}/{args.num_samples} ---")
         write_stream(text, new, tokenizer, sys.stdout)
     return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from scratchlm.errors import UserError
+    from scratchlm.generate.chat import ChatSession
+
+    model, tokenizer = load_model_and_tokenizer(args, "chat")
+    session = ChatSession(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,  # refuses a
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,  # model without a
+                          seed=args.seed, compile=args.compile)  # chat template, and bad options, in one line
+    interactive = sys.stdin.isatty()
+    commands = ", ".join(f"{name} {meaning}" for name, meaning in CHAT_COMMANDS.items())
+    print(f"scratchlm chat: {args.checkpoint} ({model.num_parameters():,} parameters, context "
+          f"{model.config.context_length}); {commands}", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            session.reset()
+            print("(conversation reset)", file=sys.stderr, flush=True)
+        elif text.strip().startswith("/") and text.split()[0] not in CHAT_COMMANDS:
+            print(f"unknown command {text.split()[0]} ({', '.join(CHAT_COMMANDS)})", file=sys.stderr, flush=True)
+        elif text.strip():
+            try:
+                for piece in session.reply(text):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except UserError as error:  # the conversation outgrew the context: say so, and go on
+                print(f"scratchlm chat: {error}", file=sys.stderr, flush=True)
+                continue
+            print(flush=True)
 
 
 def write_stream(prompt: str, token_ids, tokenizer, out) -> None:

@@ -55,7 +55,7 @@ def stream(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence[i
 
     Arguments are checked here, before the first step, so bad input fails at the call, not at iteration.
     """
-    _check_options(max_new_tokens, temperature, top_p, top_k)
+    check_options(max_new_tokens, temperature, top_p, top_k)
     _check_vocab_limit(vocab_limit, model.config.vocab_size)
     prompts = _as_batch(prompt_ids, model.config.vocab_size)
     engine = Engine(model, None, eos_id=eos_id, max_batch=len(prompts), max_queue=len(prompts), compile=compile,
@@ -130,7 +130,8 @@ def _recomputed(model: TransformerLM, prompts: list[list[int]], settings: list[S
             return
 
 
-def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int | None) -> None:
+def check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int | None) -> None:
+    """A ValueError naming the first sampling option out of its range (generate(), stream() and the chat)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if not temperature >= 0:

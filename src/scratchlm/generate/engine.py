@@ -17,6 +17,8 @@ there is no sliding window here), which is what lets `BatchCache.compact` always
 through each sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then
 `Finished`, or `Failed` (shutdown, or an error in a step).
 With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
+A sequence ends ("stop") at the engine's `eos_id` or at one of its own `Sampling.stop_ids` (a chat request's
+end-of-turn ids: <|im_end|>, <|eot_id|>); such an id is no part of the text or the token count.
 With `logprobs`, a sampled <|endoftext|> is a `Token` too (text '', with its log-probability) before `Finished`:
 every sampled token has its entry, as in OpenAI's logprobs, which lm-eval's log-likelihood relies on.
 
@@ -47,7 +49,8 @@ log = logging.getLogger("scratchlm.serve")
 @dataclass(frozen=True)
 class Sampling:
     """One sequence's settings (generate/sampling.py's rule). logprobs: how many alternatives to report per
-    sampled token (0 = only the token's own log-probability; None = none)."""
+    sampled token (0 = only the token's own log-probability; None = none). stop_ids: ids that end this sequence
+    as the engine's eos_id does (a chat's end-of-turn ids)."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +59,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (end of text or a stop string) or "length" (max_tokens)
+    reason: str  # "stop" (end of text, a stop id or a stop string) or "length" (max_tokens)
     text: str = ""  # the rest of the text (a held-back tail that was not a stop string)
     completion_tokens: int = 0
 
@@ -329,8 +333,9 @@ class Engine:
             logprob = top = None
             if scores is not None and i in wanted:
                 logprob, top = self._token_scores(scores[wanted.index(i)], token, row.sampling.logprobs)
-            if token == self.eos_id:  # end of text: no part of the completion's text or token count, but with
-                if logprob is not None:  # logprobs it has its entry (lm-eval drops the last entry as the sampled one)
+            if token == self.eos_id or token in row.sampling.stop_ids:  # end of text or of a turn: no part of the
+                # completion's text or token count, but with logprobs it has its entry (lm-eval drops the last
+                if logprob is not None:  # entry as the sampled one)
                     row.sequence.emit(Token(token, "", logprob, top))
                 self._finish(row, "stop")
                 continue

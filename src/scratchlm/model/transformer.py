@@ -167,7 +167,8 @@ class TransformerLM(nn.Module):
         tokens and, without explicit positions, each document's tokens get positions 0, 1, 2, ...: every
         document's logits are those of the document alone.
         `last_only=True` returns only the last position's logits (B, 1, V): all that sampling after a prefill
-        needs; the output projection over every prompt position is ~30% of a tinystories-17m prefill.
+        needs; for a small model with a large vocabulary, the output projection over every prompt position
+        (2·d_model·V FLOPs each) is a large share of a prefill.
         """
         self._validate(in_indices, token_positions, attention_mask, kv_cache, document_ids)
         key_padding = attention_mask

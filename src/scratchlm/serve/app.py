@@ -1,12 +1,15 @@
 """The FastAPI application: the OpenAI completions routes over an `Engine`, the API key and the playground page.
 
-Routes: POST /v1/completions (JSON, or server-sent events with `stream`), GET /v1/models, GET /health (no key:
-for load balancers and scripts), GET / (the playground, static/playground.html). Every error is OpenAI's error
-object (protocol.py). With an API key, /v1/* need `Authorization: Bearer KEY`, compared in constant time
-(hmac.compare_digest); the key is never logged or echoed.
+Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with `stream`), GET
+/v1/models, GET /health (no key: for load balancers and scripts), GET / (the playground, static/playground.html).
+Every error is OpenAI's error object (protocol.py). With an API key, /v1/* need `Authorization: Bearer KEY`,
+compared in constant time (hmac.compare_digest); the key is never logged or echoed.
 
 A request becomes one engine `Sequence` per choice (prompt x n; choice j of a prompt samples with seed + j, as
-`scratchlm generate --num-samples` does). The engine thread hands events to the request's asyncio queue with
+`scratchlm generate --num-samples` does). A chat request is a completion whose one prompt is its messages rendered
+by the tokenizer's chat template (ending with the header of the assistant's turn), and whose sequences also stop
+at the tokenizer's end-of-turn ids: the same code runs both, only the response objects differ (protocol.py). A
+model without a chat template gets a 400. The engine thread hands events to the request's asyncio queue with
 `call_soon_threadsafe`. A request that ends for any reason (done, client gone, timeout, error) cancels its
 sequences, so a client that disconnects mid-stream frees its batch slots at the next decoding step.
 The engine emits a token per active request per decoding step; `_Delivery` hands each step's events to the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import threading
@@ -30,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scratchlm.errors import UserError
 from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve import protocol
 from scratchlm.serve.limits import Limits
@@ -96,13 +101,37 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
         unavailable(engine)
         body = await _read_body(request, limits)
         parsed = protocol.parse_completion(body, model_name=model_name, limits=limits)
-        run = _Completion(parsed, [_prompt_ids(prompt, tokenizer, eos_id) for prompt in parsed.prompts])
+        return await respond(request, _Completion(parsed, [_prompt_ids(p, tokenizer, eos_id) for p in parsed.prompts]))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        unavailable(engine)
+        body = await _read_body(request, limits)
+        parsed = protocol.parse_chat(body, model_name=model_name, limits=limits)
+        if tokenizer.chat_template is None:
+            raise APIError(400, f"model {model_name!r} has no chat template (a base model): use /v1/completions, "
+                                "or fine-tune it into a chat model with `scratchlm finetune`",
+                           param="messages", code="no_chat_template")
+        try:
+            ids = tokenizer.encode_chat(parsed.messages, add_generation_prompt=True)
+        except UserError as error:  # the template refused the conversation (its raise_exception)
+            raise APIError(400, str(error), param="messages", code="invalid_value") from None
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:  # OpenAI's default: as many as the context leaves (here, up to the server's limit)
+            max_tokens = max(1, min(limits.max_tokens, engine.model.config.context_length + 1 - len(ids)))
+        parsed = dataclasses.replace(parsed, prompts=[ids], max_tokens=max_tokens)
+        return await respond(request, _Completion(parsed, [ids], stop_ids=tokenizer.end_of_turn_ids))
+
+    async def respond(request: Request, run: _Completion) -> Response:
+        """Submit a request's sequences to the engine and answer: JSON, or a stream of events."""
+        parsed = run.request
         for ids in run.prompt_ids:
             try:
                 engine.check(ids, parsed.max_tokens)
             except ValueError as error:
                 code = "context_length_exceeded" if "context" in str(error) else "invalid_value"
-                raise APIError(400, str(error), param="prompt", code=code) from None
+                raise APIError(400, str(error), param="messages" if run.chat else "prompt", code=code) from None
         loop = asyncio.get_running_loop()
         delivery = deliveries.setdefault(loop, _Delivery(loop))
         try:
@@ -169,11 +198,14 @@ class _Choice:
 
 
 class _Completion:
-    """One request: its choices, the sequences computing them and the queue their events arrive on."""
+    """One request: its choices, the sequences computing them and the queue their events arrive on. A chat request
+    (`chat`) has one prompt, its rendered messages, and stops at stop_ids too (the end-of-turn ids)."""
 
-    def __init__(self, request: CompletionRequest, prompt_ids: list[list[int]]) -> None:
-        self.request, self.prompt_ids = request, prompt_ids
-        self.id = protocol.completion_id()
+    def __init__(self, request: CompletionRequest, prompt_ids: list[list[int]], *,
+                 stop_ids: tuple[int, ...] = ()) -> None:
+        self.request, self.prompt_ids, self.stop_ids = request, prompt_ids, stop_ids
+        self.chat = request.messages is not None
+        self.id = protocol.completion_id(self.chat)
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[_Choice] = []
@@ -188,7 +220,8 @@ class _Completion:
                                     top_p=request.top_p, top_k=request.top_k,
                                     seed=None if request.seed is None else request.seed + sample,
                                     stop=request.stop, logprobs=request.logprobs,
-                                    prompt_logprobs=request.echo and request.logprobs is not None)
+                                    prompt_logprobs=request.echo and request.logprobs is not None,
+                                    stop_ids=self.stop_ids)
                 self._sequences.append(Sequence(ids, sampling, self._emitter(delivery, index)))
                 self.choices.append(_Choice(ids, prompt if isinstance(prompt, str) else None))
         return self._sequences
@@ -312,6 +345,9 @@ async def _collect(run: _Completion, deadline: float, request: Request, tokenize
                 pending -= isinstance(event, Finished)
     finally:
         run.cancel()
+    if run.chat:
+        choices = [protocol.chat_choice(i, "".join(c.text), c.finish_reason) for i, c in enumerate(run.choices)]
+        return JSONResponse(protocol.chat_completion_object(run.id, model_name, choices, run.usage(), run.created))
     choices = [protocol.choice(i, "".join(c.text), c.finish_reason, c.logprobs.object() if c.logprobs else None)
                for i, c in enumerate(run.choices)]
     return JSONResponse(protocol.completion_object(run.id, model_name, choices, run.usage(), run.created))
@@ -319,17 +355,26 @@ async def _collect(run: _Completion, deadline: float, request: Request, tokenize
 
 async def _stream(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str):
     """Server-sent events: a chunk per piece of text (and per echo), a final chunk per choice with its
-    finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead.
+    finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead. A chat
+    stream's chunks are chat.completion.chunk objects, led by one per choice whose delta names the role.
 
     A client that leaves is noticed when a write fails, but tokens that complete no character (or may start a
     stop string) write nothing, so the connection is also polled every DISCONNECT_POLL_SECONDS."""
     def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: Logprobs | None = None) -> str:
+        if run.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            return _event(protocol.chat_completion_object(run.id, model_name, [protocol.chat_delta(
+                index, delta, finish_reason)], None, run.created, chunk=True))
         body = protocol.completion_object(run.id, model_name, [protocol.choice(
             index, text, finish_reason, logprobs.object() if logprobs else None)], None, run.created)
         return _event(body)
 
     offsets = [0] * len(run.choices)
     try:
+        if run.chat:  # OpenAI's first delta of each choice names the role
+            yield "".join(_event(protocol.chat_completion_object(run.id, model_name, [protocol.chat_delta(
+                index, {"role": "assistant", "content": ""}, None)], None, run.created, chunk=True))
+                for index in range(len(run.choices)))
         if run.request.echo:
             for index, choice in enumerate(run.choices):
                 offsets[index] = len(_echo(choice, tokenizer))
@@ -366,7 +411,9 @@ async def _stream(run: _Completion, deadline: float, request: Request, tokenizer
             if written:
                 yield "".join(written)
         if run.request.include_usage:
-            yield _event(protocol.completion_object(run.id, model_name, [], run.usage(), run.created))
+            usage = (protocol.chat_completion_object(run.id, model_name, [], run.usage(), run.created, chunk=True)
+                     if run.chat else protocol.completion_object(run.id, model_name, [], run.usage(), run.created))
+            yield _event(usage)
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away (the response is cancelled)
         run.cancel()

@@ -1,4 +1,5 @@
-"""`scratchlm serve RUN_OR_FOLDER`: an OpenAI-compatible completions server with a playground page.
+"""`scratchlm serve RUN_OR_FOLDER`: an OpenAI-compatible completions (and chat completions) server with a
+playground page.
 
 The model comes from a run directory (its newest valid checkpoint), a checkpoint directory, or a run written by
 `scratchlm import hf`; the tokenizer is the run's (as for `scratchlm generate`). It binds 127.0.0.1:8000 unless
@@ -42,17 +43,20 @@ EPILOG = f"""examples:
   {API_KEY_ENV}=secret scratchlm serve runs/demo --host 0.0.0.0   # other machines: a key is required
 
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-       -d '{{"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.8}}'"""
+       -d '{{"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0.8}}'
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"messages": [{{"role": "user", "content": "Hi!"}}]}}'     # a model with a chat template"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     defaults = Limits()
     parser = subparsers.add_parser(
-        "serve", help="serve a model over the OpenAI completions API, with a playground page", epilog=EPILOG,
+        "serve", help="serve a model over the OpenAI completions and chat APIs, with a playground page", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve a model over HTTP: POST /v1/completions (OpenAI's protocol, streaming included), GET "
-                    "/v1/models, GET /health, and a playground page at /. Concurrent requests are decoded "
-                    "together (continuous batching). Needs the [serve] extra.")
+        description="Serve a model over HTTP: POST /v1/completions and, for a model with a chat template, POST "
+                    "/v1/chat/completions (OpenAI's protocol, streaming included), GET /v1/models, GET /health, "
+                    "and a playground page at /. Concurrent requests are decoded together (continuous batching). "
+                    "Needs the [serve] extra.")
     parser.add_argument("checkpoint", type=Path, metavar="RUN_OR_FOLDER",
                         help="run directory (newest valid checkpoint), checkpoint directory or imported model run")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine "

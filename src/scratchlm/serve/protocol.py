@@ -1,4 +1,5 @@
-"""The OpenAI completions protocol: validating a request, and the response, chunk and error objects.
+"""The OpenAI completions and chat completions protocols: validating a request, and the response, chunk and error
+objects.
 
 `parse_completion(body, ...)` turns the raw bytes of a POST /v1/completions into a `CompletionRequest`, or raises
 `APIError` naming the field and the value: 413 for a body over the limit, 400 for invalid UTF-8, malformed JSON
@@ -10,6 +11,14 @@ completions) plus `top_k`, an extension (as in vLLM and llama.cpp's server); the
 Field defaults are OpenAI's: max_tokens 16, temperature 1, top_p 1, n 1. An empty prompt starts a new document
 (<|endoftext|>), as `scratchlm generate` does; a prompt may also be token ids (a list of ints, or a list of such
 lists), which is what lm-evaluation-harness sends.
+
+`parse_chat` reads a POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat) into the same
+`CompletionRequest`, with its `messages` (checked by tokenizer/chat_template.py's `check_messages`: a bad one is a
+400 naming the field, ``messages[1].role``) and no prompt yet: the server renders the messages with the model's
+chat template. `max_completion_tokens` (or the older `max_tokens`) defaults to what the context leaves
+(`max_tokens` None here); `logprobs`, tools and other fields we do not implement are refused by name. Its
+responses are ``chat.completion`` objects, and its stream ``chat.completion.chunk`` objects whose `delta` holds
+the role first, then the content.
 """
 
 from __future__ import annotations
@@ -20,11 +29,16 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from scratchlm.errors import UserError
 from scratchlm.serve.limits import Limits
+from scratchlm.tokenizer.chat_template import check_messages
 
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
           "logprobs", "echo", "stop", "seed", "user", "presence_penalty", "frequency_penalty", "best_of",
           "logit_bias", "suffix"}
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+               "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
+               "logit_bias", "logprobs", "top_logprobs"}
 MAX_STOPS = 4
 MAX_SEED = 2**63 - 1
 
@@ -60,18 +74,11 @@ class CompletionRequest:
     echo: bool
     stop: tuple[str, ...]
     seed: int | None
+    messages: list[dict] | None = None  # a chat request's conversation: its prompt is the rendered messages
 
 
 def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
-    fields = parse_json_object(body, limits)
-    unknown = sorted(set(fields) - FIELDS)
-    if unknown:
-        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
-    model = fields.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
-    _refuse_unsupported(fields)
+    fields = _fields(body, FIELDS, model_name, limits)
     n = _integer(fields, "n", 1, low=1, high=limits.max_choices)
     best_of = _integer(fields, "best_of", n, low=1)
     if best_of != n:
@@ -96,6 +103,42 @@ def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> Complet
     if request.stream and request.echo and request.logprobs is not None:
         raise bad("echo", "echo with logprobs is not available when streaming: send stream=false")
     return request
+
+
+def parse_chat(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
+    """A chat completions request (module docstring); `prompts` is empty and `max_tokens` None when not given."""
+    fields = _fields(body, CHAT_FIELDS, model_name, limits)
+    for name in ("logprobs", "top_logprobs"):
+        if fields.get(name) not in (None, False, 0):
+            raise bad(name, f"{name} is not supported on chat completions (POST /v1/completions has logprobs)")
+    if "messages" not in fields:
+        raise bad("messages", "messages is required (a list of {\"role\", \"content\"} objects)")
+    try:
+        messages = check_messages(fields["messages"])
+    except UserError as error:
+        raise bad(str(error).split(":", 1)[0], str(error)) from None
+    name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = None if fields.get(name) is None else _integer(fields, name, 0, low=1, high=limits.max_tokens)
+    return CompletionRequest(
+        prompts=[], max_tokens=max_tokens, temperature=_number(fields, "temperature", 1.0, low=0.0),
+        top_p=_top_p(fields), top_k=_optional_integer(fields, "top_k", low=1),
+        n=_integer(fields, "n", 1, low=1, high=limits.max_choices), stream=_boolean(fields, "stream", False),
+        include_usage=_include_usage(fields), logprobs=None, echo=False, stop=_stop(fields),
+        seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices), messages=messages)
+
+
+def _fields(body: bytes, known: set[str], model_name: str, limits: Limits) -> dict:
+    """The request's JSON object, after refusing unknown fields, another model and fields we do not implement."""
+    fields = parse_json_object(body, limits)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
+    model = fields.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    _refuse_unsupported(fields)
+    return fields
 
 
 def parse_json_object(body: bytes, limits: Limits) -> dict:
@@ -225,8 +268,8 @@ def _prompts(fields: dict) -> list[str | list[int]]:
 
 # ------------------------------------------------------------------------------------------ responses
 
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def completion_id(chat: bool = False) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def completion_object(request_id: str, model_name: str, choices: list[dict], usage: dict | None,
@@ -240,6 +283,27 @@ def completion_object(request_id: str, model_name: str, choices: list[dict], usa
 
 def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion_object(request_id: str, model_name: str, choices: list[dict], usage: dict | None,
+                           created: int, *, chunk: bool = False) -> dict:
+    """A ``chat.completion`` (choices of `chat_choice`), or with chunk a ``chat.completion.chunk`` (of
+    `chat_delta`)."""
+    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": created,
+            "model": model_name, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
+    """A streamed choice: delta is {"role": "assistant", "content": ""} first, then {"content": text}, then {}."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

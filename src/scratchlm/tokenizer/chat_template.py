@@ -44,8 +44,9 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['rol
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 
 
-class ChatTemplateError(UserError):
-    """A template that does not compile, or that refused a conversation (its ``raise_exception``)."""
+class ChatTemplateError(UserError, ValueError):
+    """A template that does not compile, or that refused a conversation (its ``raise_exception``); a ValueError
+    too, so that a file reader names the file holding a template that does not compile."""
 
 
 @dataclass(frozen=True)

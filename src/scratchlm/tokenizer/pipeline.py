@@ -1,7 +1,7 @@
 """The text stages a tokenizer carries besides its vocab and merges: normalizer, split pattern, ignore_merges.
 
 A Hugging Face tokenizer.json names them normalizer, pre_tokenizer and the BPE model's ``ignore_merges``; these
-are the ones scratchlm encodes exactly (``hf_format.py`` refuses the others by name)::
+are the ones scratchlm encodes exactly (``formats/hf.py`` refuses the others by name)::
 
     nfc            the text between special tokens is put in Unicode NFC first (Qwen2's normalizer)
     pattern        the regex that splits it into pre-tokens (``pretokenize.py``: GPT-2's by default, or gpt4,

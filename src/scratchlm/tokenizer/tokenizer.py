@@ -15,23 +15,25 @@ from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~1
 still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
 A tokenizer may carry a chat template (``chat_template.py``) and the ids that end an assistant turn: ``render_chat``
 and ``encode_chat`` render a conversation with it; ``encode`` never looks at it.
-Files live in ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats) and
-``hf_format.py`` (Hugging Face's); this module only knows vocab, merges, special tokens and the pipeline.
+Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats)
+and ``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens, the pipeline and the chat
+settings.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from pathlib import Path
 
 from scratchlm.errors import UserError
-from scratchlm.tokenizer.added_tokens import FlagsByToken, checked_flags
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
 from scratchlm.tokenizer.chat_template import CHATML_END, CHATML_START, CHATML_TEMPLATE, ChatTemplate
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
-from scratchlm.tokenizer.io import invert_vocab
+from scratchlm.tokenizer.formats.added_tokens import FlagsByToken, checked_flags
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
+from scratchlm.tokenizer.formats.io import invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
     has_known_boundaries,
@@ -54,7 +56,7 @@ class Tokenizer:
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
-    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``added_tokens.py``): they
+    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/added_tokens.py``): they
     change no id, only the tokenizer.json that ``save`` writes.
     ``chat_template`` (a ``ChatTemplate`` whose named tokens are special tokens of this tokenizer, or None) renders a
     conversation as text (``render_chat``); ``end_of_turn_ids`` are the ids that end an assistant turn (ChatML's
@@ -92,7 +94,7 @@ class Tokenizer:
                    special_tokens: list[str] | None = None, *, fast: bool = True) -> Tokenizer:
         """Read GPT-2 ``vocab.json`` + ``merges.txt``, or with merges_path=None one file that holds its own merges:
         ``scratchlm-tokenizer.json`` or a Hugging Face byte-level BPE ``tokenizer.json``."""
-        from scratchlm.tokenizer.folder import read_tokenizer_files
+        from scratchlm.tokenizer.formats.folder import read_tokenizer_files
 
         vocab, merges, specials, pipeline, flags, chat = read_tokenizer_files(vocab_path, merges_path)
         if special_tokens is not None:  # the caller's list replaces the file's, and its flags and chat with none
@@ -102,8 +104,8 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: str | Path, *, fast: bool = True) -> Tokenizer:
         """Read a directory written by ``save``, a Hugging Face tokenizer folder, or GPT-2 ``vocab.json`` +
-        ``merges.txt`` (the order of the files is in ``folder.py``)."""
-        from scratchlm.tokenizer.folder import read_tokenizer_dir
+        ``merges.txt`` (the order of the files is in ``formats/folder.py``)."""
+        from scratchlm.tokenizer.formats.folder import read_tokenizer_dir
 
         vocab, merges, specials, pipeline, flags, chat = read_tokenizer_dir(directory)
         return cls._built_from(directory, vocab, merges, specials, pipeline, flags, chat, fast)
@@ -124,30 +126,35 @@ class Tokenizer:
     def save(self, directory: str | Path) -> Path:
         """Write ``scratchlm-tokenizer.json``, Hugging Face's ``tokenizer.json`` + ``tokenizer_config.json`` and GPT-2
         ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
-        from scratchlm.tokenizer.folder import write_tokenizer_dir
+        from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
 
         return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline,
                                    added_token_flags=self.added_token_flags,
                                    chat=(self.chat_template, self.end_of_turn_ids))
 
     # ------------------------------------------------------------------ chat
-    def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str] = (),
+    def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str | int] = (),
                            special_tokens: Iterable[str] = ()) -> Tokenizer:
-        """A copy of this tokenizer that carries template and ends a turn at the end_of_turn tokens.
+        """A copy of this tokenizer that carries template and ends a turn at the end_of_turn tokens (each a token's
+        text, made a special token, or an id in the vocab).
 
-        special_tokens (and the end_of_turn tokens) are made special tokens; those it lacks get new ids after the
+        special_tokens (and the end_of_turn texts) are made special tokens; those it lacks get new ids after the
         current vocab, in order (the model's embedding must then grow by as many rows). A template given as text
         gets ``eos_token`` "<|endoftext|>" when this tokenizer has it, as the saved tokenizer_config.json names it.
         """
         end_of_turn = list(end_of_turn)
-        specials = self.special_tokens + [token for token in dict.fromkeys([*special_tokens, *end_of_turn])
+        texts = [token for token in end_of_turn if isinstance(token, str)]
+        specials = self.special_tokens + [token for token in dict.fromkeys([*special_tokens, *texts])
                                           if token not in self.special_tokens]
         if isinstance(template, str):
             template = ChatTemplate(template, eos_token=EOS_TOKEN if EOS_TOKEN in specials else None)
-        grown = Tokenizer(self.vocab, self.merges, specials, pipeline=self.pipeline, fast=self.fast,
-                          cache_size=self._cache_size, added_token_flags=self.added_token_flags)
+        if specials == self.special_tokens:  # the same ids: share the encoder (a large vocab builds in seconds)
+            grown = copy.copy(self)
+        else:
+            grown = Tokenizer(self.vocab, self.merges, specials, pipeline=self.pipeline, fast=self.fast,
+                              cache_size=self._cache_size, added_token_flags=self.added_token_flags)
         grown.chat_template, grown.end_of_turn_ids = grown._checked_chat(
-            template, [grown.special_id(token) for token in end_of_turn])
+            template, [grown.special_id(token) if isinstance(token, str) else token for token in end_of_turn])
         return grown
 
     def with_chatml(self) -> Tokenizer:

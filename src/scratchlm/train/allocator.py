@@ -3,11 +3,10 @@
 Every training step allocates the same large buffers (the logits alone are batch x context x vocab floats, 64 MB
 for the modern recipe) and frees them again. glibc's malloc serves such blocks with a fresh ``mmap`` and hands
 them back with ``munmap`` (and trims the top of its heap back to the OS), so the next step page-faults every page
-in again and the kernel zeroes it: on the 2-core development machine that is ~15% system time and ~20% of the
-step (1.48 -> 1.17 s a step on a quiet machine; docs/benchmarks.md, "allocator"). Asking malloc never to use
+in again and the kernel zeroes it: system time that grows with the step's buffers. Asking malloc never to use
 ``mmap`` and never to trim keeps those pages in the process for the next step. The cost is memory: freed blocks
-are reused from the heap rather than returned, and its fragmentation raised the peak RSS by ~20% (1.28 -> 1.54 GB)
-on that recipe.
+are reused from the heap rather than returned, and its fragmentation raises the peak RSS.
+benchmarks/bench_allocator.py measures both sides (figures: docs/benchmarks.md, "bench_allocator").
 
 Wins on: CPU training with glibc (Linux). CUDA memory has PyTorch's own caching allocator, and other C libraries
 (macOS, musl, Windows) are left alone: there ``keep_freed_memory`` does nothing and training takes the default

@@ -53,7 +53,8 @@ PLANNED_SHARE = 0.95  # of the budget; the rest absorbs step-time noise and the 
 # last correction (a log window, ~2% of the run) running slower than measured.
 REPLANNED_SHARE = 0.97
 # Evaluations and checkpoints take at most this share of a budget that includes them: a learning curve of a few
-# points is worth a few percent of the training, not the 13% (40 of 300 s) a fixed 8 evaluations took on a CPU.
+# points is worth a few percent of the training, no more (a fixed count of evaluations can take far more of a
+# short budget on a CPU; docs/benchmarks.md).
 EVAL_SHARE = 0.05
 WINDOWS = 5  # log windows in the step-time median, and measured before the first re-plan: a median of five
 # outvotes two slow windows (a compile, a recompile at the first evaluation, a hiccup)

@@ -347,9 +347,13 @@ class CheckpointManager:
                     from error
         restore_rng_state(_read_json(path / "rng.json"))
         trainer = _read_json(path / "trainer.json")
-        return {"step": trainer["step"], "config": located_at(_read_json(path / "config.json"), self.run_dir),
+        return {"step": trainer["step"], "config": self.config_of(path),
                 "sampler_state": trainer["sampler_state"], "extra": trainer["extra"],
                 "val_loss": trainer["val_loss"], "path": path}
+
+    def config_of(self, path: str | os.PathLike) -> dict:
+        """The run config a checkpoint of this run was saved with, its paths located at the run (a dict, as saved)."""
+        return located_at(_read_json(Path(path) / "config.json"), self.run_dir)
 
 
 def _is_best_record(value: Any) -> bool:

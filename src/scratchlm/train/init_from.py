@@ -19,7 +19,7 @@ values); one that differs from the source's is refused, naming the field and bot
 is fine. ``stated=None`` states every field of config.model, so a library caller gets no silent replacement.
 
 On ``--resume`` of a run that has checkpoints, those win: the model is the run's own (its config.toml) and
-train.init_from is not read again, so the source may have moved or been deleted since (trainer.py decides).
+train.init_from is not read again, so the source may have moved or been deleted since (resolve.py decides).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from scratchlm.tokenizer.hf_format import EOS_TOKEN
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # inputs (B, T) long -> logits (B, T, V)

@@ -4,16 +4,19 @@
 it returns (``ResolvedRun``); the loop takes the rest from there. Each input is read once, by the step that needs
 it first, and handed on rather than read again:
 
-1. the config: with train.init_from, the model (and tokenizer) of the weights the run starts from (init_from.py),
-   or on resume the run's own model; a resumed run's config.toml is read once, for that model and its budget plan;
+1. where the run starts (``Start``), decided here and nowhere else: ``Resume(checkpoint)`` when asked to resume
+   and the run has a checkpoint (the newest valid one; its model, optimizer settings and tokenizer must be the
+   config's), else ``InitFrom(source)`` with train.init_from (the model and tokenizer of those weights:
+   init_from.py), else ``Fresh``. The checkpoint list is read once, and a resumed run's config.toml once, for its
+   budget plan and dtype; the trainer only acts on the answer;
 2. the tokenizer (data.tokenizer), loaded once: its vocabulary size, its hash, and later the run's copy of it;
 3. the token files, opened once: model.vocab_size is bound (the tokenizer's, else the size the train file's header
    records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
    the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
    data.tokenizer_hash is recorded;
-   With ``data`` (fine-tuning's conversations, finetune/data.py) there are no token files: ``data.prepare`` gives
-   the tokenizer the run trains with (ChatML added to a base model's, its rows added to the weights) and lays
-   out the examples, and the budget's probe trains on their tokens;
+   With ``data`` (fine-tuning's conversations, finetune/data.py: data.format = conversations) there are no token
+   files: ``data.prepare`` gives the tokenizer the run trains with (ChatML added to a base model's, its rows added
+   to the weights of an InitFrom) and lays out the examples, whose tokens the budget's probe trains on;
 4. train.dtype = auto, from what the device can do (precision.py), and the budget plan (budget.py), its probe
    steps trained on them too; under torch.distributed every rank trains rank 0's choice and plan, so all stop at
    the same step. A resumed run keeps the dtype and the plan it was started with.
@@ -21,6 +24,7 @@ it first, and handed on rather than read again:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,10 +41,37 @@ from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
 from scratchlm.train.precision import choose_dtype
 from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
-from scratchlm.train.tokenizer_identity import bind_tokenizer, fit_vocab_size
+from scratchlm.train.tokenizer_identity import bind_tokenizer, check_same_tokenizer, fit_vocab_size
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.toml"
+# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
+PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
+                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A new run: the model starts from build_model's seeded initialisation."""
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """A new run whose weights come from train.init_from (a fresh optimizer, schedule and step counter)."""
+
+    source: InitSource
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The run continues from ``checkpoint``: weights, optimizer, RNG, sampler and the loop's running values."""
+
+    checkpoint: Path
+
+
+Start = Fresh | InitFrom | Resume
 
 
 class ExampleData(Protocol):
@@ -59,22 +90,17 @@ class ExampleData(Protocol):
 
     def validation_batches(self, config: RunConfig, device: torch.device, max_batches: int | None) -> Any: ...
 
-CONFIG_FILE = "config.toml"
-# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
-PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
-
 
 @dataclass(frozen=True)
 class ResolvedRun:
     """What a run starts from, each part read once (module docstring)."""
 
     config: RunConfig  # final: model.vocab_size, data.tokenizer_hash and a budget's plan filled in
+    start: Start
     tokenizer: Tokenizer | None  # data.tokenizer, loaded (None: the config names none)
     train_tokens: np.ndarray  # opened and checked
     val_tokens: np.ndarray | None  # None: no data.val_path
-    source: InitSource | None  # train.init_from's weights, on a fresh start from them
-    data: ExampleData | None = None  # the examples of data.format = conversations (train_tokens: for the probe)
+    data: ExampleData | None = None  # data.format = conversations: its examples (train_tokens: the probe's)
 
 
 def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_size: int,
@@ -84,27 +110,24 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     """Resolve ``config`` for training on ``device`` (module docstring); ``quiet``: print neither the weights the
     run starts from nor the budget's plan (rank 0 prints them). ``saved``: on resume, the run's config.toml if
     the caller read it already (the CLI's `--resume` without `--config` continues from it). ``started``: when the
-    command began (time.perf_counter()), so that a budget's plan counts the start-up. ``data``: the examples of a
-    fine-tuning run (data.format = conversations), instead of token files."""
+    command began (time.perf_counter()), so that a budget's plan counts the start-up. ``data``: a fine-tuning run's
+    examples (data.format = conversations), instead of token files."""
     run_dir = Path(config.train.run_dir)
     saved_path = run_dir / CONFIG_FILE
     if saved is None and resume and saved_path.is_file():
         saved = load_config(saved_path)
     saved = saved if resume else None
-    config, source = _starting_point(config, run_dir, resume, saved, model_overrides)
-    if source is not None and not quiet:
-        print(f"scratchlm train: starting from the weights of {source.where} (a fresh optimizer and schedule)",
+    config, start = _start(config, run_dir, resume, model_overrides)
+    if isinstance(start, InitFrom) and not quiet:
+        print(f"scratchlm train: starting from the weights of {start.source.where} (a fresh optimizer and schedule)",
               file=sys.stderr, flush=True)
-    tokenizer = _tokenizer(config, source)
+    tokenizer = _tokenizer(config, start)
     if (data is not None) != (config.data.format == "conversations"):
         raise UserError(f"data.format = {config.data.format} is trained by "
                         f"`scratchlm {'finetune' if data is None else 'train'}`")
     if data is not None:
-        config, tokenizer = data.prepare(config, tokenizer, source)
-        if not force_memory:
-            check_memory_fits(config, device, world_size)
-        config = _planned(_precision(config, saved, device, quiet), saved, data.plan_tokens(), quiet, started)
-        return ResolvedRun(config, tokenizer, data.plan_tokens(), None, source, data)
+        return _resolve_examples(config, start, tokenizer, data, saved, device, world_size, force_memory, quiet,
+                                 started)
     train_file, val_file = open_token_files(config)
     config = fit_vocab_size(config, tokenizer, train_file)
     if not force_memory:  # before the budget's probe step builds a model
@@ -113,30 +136,78 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     config = bind_tokenizer(config, tokenizer, train_file, val_file)
     config = _precision(config, saved, device, quiet)
     config = _planned(config, saved, train_tokens, quiet, started)
-    return ResolvedRun(config, tokenizer, train_tokens, val_tokens, source)
+    if isinstance(start, Resume):  # the final config: a resumed budget's plan sets optim.warmup_iters
+        _check_resumable(config, start.checkpoint, run_dir)
+    return ResolvedRun(config, start, tokenizer, train_tokens, val_tokens)
 
 
-def _starting_point(config: RunConfig, run_dir: Path, resume: bool, saved: RunConfig | None,
-                    model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, InitSource | None]:
-    """With train.init_from: the config with the model (and tokenizer) of the weights the run starts from, and the
-    source to load them from; a resume of a run that has checkpoints takes its own model (``saved``, the run's
-    config.toml) and reads no source."""
-    if not config.train.init_from:
-        return config, None
-    if resume and CheckpointManager(run_dir).checkpoints():
-        if saved is not None:  # else _restore compares config.model with the checkpoint's
-            config = with_model(config, saved.model, f"run {run_dir}", model_overrides)
-        return config, None
-    source = open_source(config.train.init_from)
-    return adopt(config, source, model_overrides), source
+def _resolve_examples(config: RunConfig, start: Start, tokenizer: Tokenizer | None, data: ExampleData,
+                      saved: RunConfig | None, device: torch.device, world_size: int, force_memory: bool, quiet: bool,
+                      started: float | None) -> ResolvedRun:
+    """Steps 2-4 of the module docstring for a run on examples rather than token files."""
+    config, tokenizer = data.prepare(config, tokenizer, start.source if isinstance(start, InitFrom) else None)
+    if not force_memory:
+        check_memory_fits(config, device, world_size)
+    config = _planned(_precision(config, saved, device, quiet), saved, data.plan_tokens(), quiet, started)
+    if isinstance(start, Resume):
+        _check_resumable(config, start.checkpoint, Path(config.train.run_dir))
+    return ResolvedRun(config, start, tokenizer, data.plan_tokens(), None, data)
 
 
-def _tokenizer(config: RunConfig, source: InitSource | None) -> Tokenizer | None:
+def _start(config: RunConfig, run_dir: Path, resume: bool,
+           model_overrides: Mapping[str, Any] | None) -> tuple[RunConfig, Start]:
+    """Where the run starts, and the config with the model that start implies.
+
+    A resume of a run with a checkpoint continues the checkpoint's model: with train.init_from the source is not
+    read again (it may have moved since), so the model comes from the checkpoint (the fields the caller set on
+    purpose must agree). A resume of a run with no checkpoint yet starts as a new run would."""
+    checkpoint = _resume_point(CheckpointManager(run_dir)) if resume else None
+    if checkpoint is not None:
+        if config.train.init_from:
+            saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
+            config = with_model(config, saved.model, f"checkpoint {checkpoint}", model_overrides)
+        return config, Resume(checkpoint)
+    if config.train.init_from:
+        source = open_source(config.train.init_from)
+        return adopt(config, source, model_overrides), InitFrom(source)
+    return config, Fresh()
+
+
+def _resume_point(checkpoints: CheckpointManager) -> Path | None:
+    """The checkpoint to resume from; None when the run has none yet (it starts from step 0).
+
+    Checkpoints that all fail verification are an error: starting over would overwrite them and cut
+    metrics.jsonl back to step 0.
+    """
+    path = checkpoints.latest_valid()
+    if path is None and (found := checkpoints.checkpoints()):
+        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
+                         f"valid (see the warnings above); move them away to start this run over")
+    return path
+
+
+def _check_resumable(config: RunConfig, checkpoint: Path, run_dir: Path) -> None:
+    """Refuse to continue ``checkpoint`` as another run: its model, optimizer settings and tokenizer must be the
+    config's (another recipe or tokenizer would silently continue a different run)."""
+    saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
+    if saved.model != config.model:
+        raise ValueError(f"cannot resume from {checkpoint}: it was trained with model {saved.model}, but this "
+                         f"config asks for {config.model}")
+    if saved.optim != config.optim:
+        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(saved.optim).items()
+                   if getattr(config.optim, k) != v}
+        raise ValueError(f"cannot resume from {checkpoint}: the optimizer settings changed (saved -> asked: " +
+                         ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
+    check_same_tokenizer(saved.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {checkpoint}")
+
+
+def _tokenizer(config: RunConfig, start: Start) -> Tokenizer | None:
     """data.tokenizer, loaded; the one train.init_from read when it is the source's (``adopt`` put it there)."""
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
-    if source is not None and source.tokenizer is not None and config.data.tokenizer == str(source.tokenizer):
-        return source.read_tokenizer
+    if isinstance(start, InitFrom) and start.source.tokenizer is not None and \
+            config.data.tokenizer == str(start.source.tokenizer):
+        return start.source.read_tokenizer
     return Tokenizer.load(config.data.tokenizer) if config.data.tokenizer else None
 
 

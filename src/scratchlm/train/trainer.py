@@ -25,8 +25,8 @@ Design (torchtitan-style: the model knows nothing of infrastructure, the trainer
   cool-down ends where the time does; the loop still stops at the budget, through the same path as the last step
   (final evaluation, checkpoint), if a step overruns it. A resumed run keeps its live plan and the budget time
   it had used.
-- train.init_from starts from existing weights (init_from.py): the model comes from where the weights come from,
-  the source on a fresh start, the run's own checkpoints on resume (the source is then not read again).
+- Where a run starts (Fresh, InitFrom(source) or Resume(checkpoint)) is decided once, by resolve.py; this file
+  acts on the answer: it loads the checkpoint, or copies the source's weights, or keeps the seeded init.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
-from scratchlm.train.resolve import CONFIG_FILE, ExampleData, ResolvedRun, resolve_run
+from scratchlm.train.resolve import CONFIG_FILE, ExampleData, InitFrom, ResolvedRun, Resume, resolve_run
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
@@ -69,7 +69,7 @@ from scratchlm.train.setup import (
     wrap_model,
 )
 from scratchlm.train.step import DivergenceWatch, evaluate, evaluate_masked, learning_rate, train_step
-from scratchlm.train.tokenizer_identity import check_same_tokenizer, keep_tokenizer_copy
+from scratchlm.train.tokenizer_identity import keep_tokenizer_copy
 
 T = TypeVar("T")
 
@@ -177,12 +177,12 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     if run.config.train.threads is not None:
         torch.set_num_threads(run.config.train.threads)
     try:
-        return _train(run, resume, quiet, wrap, device, rank, world_size, started)
+        return _train(run, quiet, wrap, device, rank, world_size, started)
     finally:
         torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
 
 
-def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
+def _train(run: ResolvedRun, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
            device: torch.device, rank: int, world_size: int, started: float) -> TrainResult:
     is_main_process = rank == 0
     config = run.config
@@ -196,10 +196,11 @@ def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Modul
                                seed=config.train.seed, rank=rank, world_size=world_size)
     checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
     state = LoopState()
-    if resume and (path := _resume_point(checkpoints)) is not None:
-        state = _restore(checkpoints, path, raw_model, optimizer, sampler, config)
-    elif run.source is not None:
-        run.source.load_into(raw_model)  # after build_model's seeded init: the RNG stands where a scratch run's does
+    match run.start:
+        case Resume(checkpoint=path):
+            state = _restore(checkpoints, path, raw_model, optimizer, sampler)
+        case InitFrom(source=source):
+            source.load_into(raw_model)  # after build_model's seeded init: the RNG stands where a scratch run's does
     if is_main_process:
         truncate_records(run_dir / METRICS_FILE, state.step)
         config = keep_tokenizer_copy(config, run.tokenizer, run_dir)  # data.tokenizer names RUN/tokenizer now
@@ -222,32 +223,11 @@ def _train(run: ResolvedRun, resume: bool, quiet: bool, wrap: Callable[[nn.Modul
             logger.close()
 
 
-def _resume_point(checkpoints) -> Path | None:
-    """The checkpoint to resume from; None when the run has none yet (it starts from step 0).
-
-    Checkpoints that all fail verification are an error: starting over would overwrite them and cut
-    metrics.jsonl back to step 0.
-    """
-    path = checkpoints.latest_valid()
-    if path is None and (found := checkpoints.checkpoints()):
-        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
-                         f"valid (see the warnings above); move them away to start this run over")
-    return path
-
-
-def _restore(checkpoints, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler,
-             config: RunConfig) -> LoopState:
+def _restore(checkpoints: CheckpointManager, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+             sampler: BatchSampler) -> LoopState:
+    """Load the checkpoint ``resolve`` chose (and checked) into the model, optimizer, RNG and sampler; the loop's
+    running values it saved."""
     loaded = checkpoints.load(path, model, optimizer)
-    saved = RunConfig.from_dict(loaded["config"])
-    if saved.model != config.model:
-        raise ValueError(f"cannot resume from {path}: it was trained with model {saved.model}, but this config "
-                         f"asks for {config.model}")
-    if saved.optim != config.optim:  # another recipe would silently continue a different run
-        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(saved.optim).items()
-                   if getattr(config.optim, k) != v}
-        raise ValueError(f"cannot resume from {path}: the optimizer settings changed (saved -> asked: " +
-                         ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
-    check_same_tokenizer(saved.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {path}")
     distributed.restore_sampler(sampler, loaded["sampler_state"])  # rank 0's state, any world size
     fields = {f.name for f in dataclasses.fields(LoopState)}
     return LoopState(**{k: v for k, v in (loaded["extra"] or {}).items() if k in fields}, step=loaded["step"])
@@ -261,7 +241,7 @@ class _Loop:
                  state: LoopState, device: torch.device, world_size: int, quiet: bool = True,
                  started: float | None = None, data: ExampleData | None = None) -> None:
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
-        self.data = data
+        self.data = data  # fine-tuning's examples: their validation rows, not val_tokens
         self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
         self.state, self.device, self.world_size = state, device, world_size
         self.tokens_per_step = config.tokens_per_step * world_size

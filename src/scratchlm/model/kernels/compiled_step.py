@@ -1,16 +1,15 @@
 """A decoding step compiled by torch.compile (inductor) for bf16 models on CPU: `generate(..., compile=True)`,
 `scratchlm generate --compile`.
 
-Wins on: CPUs, for bf16 models. The eager bf16 step (decode_step.py) spends about half its time outside the
-products, in ~50 small ops a layer (norms, RoPE, casts, softmax), each a dispatch and, in bf16, a conversion;
-inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as packed_linear.py does.
-Measured with benchmarks/bench_generate.py and bench_compile_decode.py (tinystories-17m, 2-core AMD EPYC with
-AVX512-BF16): the bf16 step ~1.4x faster than the eager one at batch 1 and 8. It loses in float32 (1.5-2.2x
-slower: inductor's float32 products are slower than packed_linear.py's), so only bf16 models on a CPU
-are compiled. The price is the compile: ~8-10 s for batch 1 and as much for every other batch size together (the
-batch is a dynamic dimension from 2 rows up), once per model in a process (kept for the model's life while its
-weights are unchanged), ~20 s more with inductor's on-disk cache cold. So it pays for long
-generations and long-lived decoders, and it is opt-in.
+Wins on: CPUs, for bf16 models. The eager bf16 step (decode_step.py) spends much of its time outside the
+products, in the small ops of every layer (norms, RoPE, casts, softmax), each a dispatch and, in bf16, a
+conversion; inductor fuses them into a few loops and, with `freezing`, packs the weights for oneDNN as
+packed_linear.py does. In float32 there are no casts to save and inductor's products are slower than
+packed_linear.py's, so only bf16 models on a CPU are compiled (benchmarks/bench_compile_decode.py and
+bench_generate.py measure both; figures in docs/benchmarks.md). The price is the compile, seconds for batch 1 and
+as many again for every other batch size together (the batch is a dynamic dimension from 2 rows up), paid once
+per model in a process (kept for the model's life while its weights are unchanged), and more with inductor's
+on-disk cache cold. So it pays for long generations and long-lived decoders, and it is opt-in.
 
 What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one
 new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
@@ -113,9 +112,9 @@ class CompiledStep:
         if rows.shape[0] > 1:  # the batch too (a server's changes size), in a graph of its own beside batch 1
             for tensor in (rows, cache.next_position, key_padding, *keys, *values):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        # freezing: the weights become constants that inductor packs for oneDNN (without it the step was slower
-        # than the eager one). It is read whenever a graph compiles (the first call of one row, and of more), so
-        # every call sets it (torch.compile's `options` did not reach it here).
+        # freezing: the weights become constants that inductor packs for oneDNN (without it the compiled step is
+        # slower than the eager one). It is read whenever a graph compiles (the first call of one row, and of
+        # more), so every call sets it (torch.compile's `options` do not reach it).
         with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
             logits = self.static(rows, cache.next_position, column, key_padding, keys, values)
         cache.next_position += 1

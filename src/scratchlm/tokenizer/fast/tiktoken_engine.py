@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scratchlm.extras import require
-from scratchlm.tokenizer.added_tokens import FlagsByToken
 from scratchlm.tokenizer.bpe import merge_table
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
+from scratchlm.tokenizer.formats.added_tokens import FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.tokenizer import Tokenizer
 

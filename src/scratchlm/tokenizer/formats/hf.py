@@ -42,9 +42,9 @@ import json
 import re
 from pathlib import Path
 
-from scratchlm.tokenizer.added_tokens import OURS, AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
-from scratchlm.tokenizer.io import (
+from scratchlm.tokenizer.formats.added_tokens import OURS, AddedTokenFlags, FlagsByToken
+from scratchlm.tokenizer.formats.io import (
     NO_CHAT,
     ChatParts,
     FormatCannotHold,
@@ -225,7 +225,11 @@ def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
     if not isinstance(source, str):
         raise _unreadable(config_path, f"chat_template is {type(source).__name__}, not the template's text")
     tokens = {name: _named_token(config, name, config_path) for name in NAMED_TOKENS}
-    template = ChatTemplate(source, **tokens)
+    try:
+        template = ChatTemplate(source, **tokens)
+    except ValueError as error:  # a template that does not compile
+        where = directory / HF_TEMPLATE_FILE if (directory / HF_TEMPLATE_FILE).is_file() else config_path
+        raise ValueError(f"{where}: {error}") from None
     ids = invert_vocab(vocab)
     eos = tokens["eos_token"]
     end_of_turn = (ids[eos.encode("utf-8")],) if eos is not None and eos.encode("utf-8") in ids else ()

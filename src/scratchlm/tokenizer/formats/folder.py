@@ -3,7 +3,7 @@
 ``save`` writes one tokenizer in three formats::
 
     scratchlm-tokenizer.json   scratchlm's own format (io.py): exact for any vocab; load reads it first
-    tokenizer.json             Hugging Face's (hf_format.py), + tokenizer_config.json: for `tokenizers` and
+    tokenizer.json             Hugging Face's (hf.py), + tokenizer_config.json: for `tokenizers` and
                                `transformers.AutoTokenizer`
     vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens, and only
                                for GPT-2's pipeline (the files name none, and every reader splits them as GPT-2)
@@ -29,8 +29,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from scratchlm.tokenizer.added_tokens import FlagsByToken
-from scratchlm.tokenizer.hf_format import (
+from scratchlm.tokenizer.formats.added_tokens import FlagsByToken
+from scratchlm.tokenizer.formats.hf import (
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
     is_hf_document,
@@ -38,7 +38,7 @@ from scratchlm.tokenizer.hf_format import (
     read_hf_chat,
     write_hf_tokenizer,
 )
-from scratchlm.tokenizer.io import (
+from scratchlm.tokenizer.formats.io import (
     GPT2_MERGES_FILE,
     GPT2_VOCAB_FILE,
     NO_CHAT,

@@ -1,5 +1,5 @@
 """Tokenizer files, one format each: scratchlm's own ``scratchlm-tokenizer.json`` and GPT-2's ``vocab.json`` +
-``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``hf_format.py``; which files a folder holds and the
+``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``hf.py``; which files a folder holds and the
 order ``load`` reads them in is ``folder.py``.)
 
 scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab entry and one merge per line::
@@ -45,8 +45,8 @@ import os
 from functools import cache
 from pathlib import Path
 
-from scratchlm.tokenizer.added_tokens import AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
+from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
 

@@ -3,7 +3,7 @@
 Our encoder treats every added token alike (matched on the raw text, never merged), but a Hugging Face
 tokenizer.json marks each one: ``special`` false is a plain added token ("big dog" added with ``add_tokens``), which
 ``decode(skip_special_tokens=True)`` keeps and transformers does not list among its special tokens; ``normalized``
-says which of HF's two matching passes finds it (hf_format.py refuses the files where the passes differ from our
+says which of HF's two matching passes finds it (hf.py refuses the files where the passes differ from our
 one). Neither changes our ids, so neither enters ``Tokenizer.hash``; both are kept so that a tokenizer.json read and
 saved again gives HF the tokenizer it gave before. (lstrip, rstrip and single_word change the ids and are refused on
 reading, so they are always false.)
