@@ -154,3 +154,31 @@ def test_packed_and_padded_give_the_same_loss(base, tmp_path):
                          "optim.warmup_iters=0", "--set", "data.val_fraction=0", *FAST]) == 0
         losses[packing] = records(tmp_path / packing, "train")[0]["loss"]
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
+
+
+def test_an_instruct_model_keeps_its_template(tmp_path):
+    """A Hugging Face instruct folder (a tiny random SmolLM2-shaped model with SmolLM2-135M-Instruct's real template
+    and added tokens) as --init-from: no ChatML is added, the vocabulary stays, the run keeps the model's template."""
+    pytest.importorskip("transformers")
+    from conftest import require_shared
+    from hf_models import hf_config, hf_model
+    from scratchlm.compat.hf_import import read_hf_tokenizer
+    from test_chat_template import _hf_folder
+
+    bpe = train_bpe(require_shared("fixtures/tinystories_sample.txt"), 400, [], num_workers=1)
+    folder = _hf_folder("SmolLM2-135M-Instruct", bpe, tmp_path / "smol")
+    tokenizer = Tokenizer.load(folder)
+    config = hf_config("smollm2-135m")
+    config.vocab_size, config.max_position_embeddings = tokenizer.vocab_size, 256  # room for its system prompt
+    hf_model(config).save_pretrained(folder)
+    data = conversations(tmp_path / "chat.jsonl", 16, seed=6)
+    run = tmp_path / "run"
+    with torch_threads(1):
+        assert main(["finetune", "--init-from", str(folder), "--data", str(data), "--run-dir", str(run), "--set",
+                     "train.max_steps=2", "--set", "optim.warmup_iters=1", *FAST]) == 0
+    kept, read = Tokenizer.load(run / "tokenizer"), read_hf_tokenizer(folder)  # as --init-from reads the folder
+    assert kept.chat_template.source == tokenizer.chat_template.source
+    assert kept.special_tokens == tokenizer.special_tokens and kept.hash == read.hash
+    assert kept.end_of_turn_ids == read.end_of_turn_ids
+    assert load_config(run / "config.toml").model.vocab_size == tokenizer.vocab_size
+    assert all(r["loss"] < 20 for r in records(run, "train"))
