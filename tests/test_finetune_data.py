@@ -200,3 +200,18 @@ def test_tinystories_conversations_are_deterministic_and_tell_the_story():
         user, assistant = conversation["messages"]
         assert user["role"] == "user" and assistant["role"] == "assistant"
         assert "<|endoftext|>" not in assistant["content"]
+
+
+def test_every_rank_resumes_from_rank_zeros_sampler_state():
+    """Each rank draws its own permutation, but at the same step all stand at the same epoch and position: rank 0's
+    saved state continues any rank (train/distributed.py restore_sampler)."""
+    from scratchlm.train.distributed import restore_sampler
+
+    rows = build_rows([example(list(range(1, n + 1)), [1] * n) for n in range(2, 12)], 12, "padded")
+    zero, one = RowSampler(rows, 3, "cpu", seed=5, rank=0, world_size=2), RowSampler(rows, 3, "cpu", seed=5, rank=1,
+                                                                                      world_size=2)
+    for _ in range(5):
+        zero.next(), one.next()
+    resumed = RowSampler(rows, 3, "cpu", seed=5, rank=1, world_size=2)
+    restore_sampler(resumed, zero.state_dict())
+    assert [resumed.next().inputs.tolist() for _ in range(4)] == [one.next().inputs.tolist() for _ in range(4)]

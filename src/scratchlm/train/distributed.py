@@ -238,7 +238,8 @@ def as_full_tensor(value: torch.Tensor) -> torch.Tensor:
 def restore_sampler(sampler: BatchSampler, saved: dict[str, Any]) -> None:
     """Continue ``sampler`` (this rank's) from rank 0's saved state, at the same or another world size."""
     state = dict(saved, world_size=sampler.world_size)  # a rank's stream does not depend on the world size
-    if saved.get("rank") != sampler.rank:
+    if saved.get("rank") != sampler.rank and "bit_generator" in saved:  # (fine-tuning's RowSampler has none: its
+        # state, an epoch and a position, is every rank's at the same step)
         state.update(rank=sampler.rank, bit_generator=_replayed_generator_state(sampler, saved))
     sampler.load_state_dict(state)
 
