@@ -182,3 +182,33 @@ def test_an_instruct_model_keeps_its_template(tmp_path):
     assert kept.end_of_turn_ids == read.end_of_turn_ids
     assert load_config(run / "config.toml").model.vocab_size == tokenizer.vocab_size
     assert all(r["loss"] < 20 for r in records(run, "train"))
+
+
+def test_a_finetuned_export_answers_in_transformers_as_we_do(base, tmp_path):
+    """Base run -> finetune (ChatML) -> export hf: transformers renders the conversation with the exported template
+    to our ids, and its greedy generate() gives our greedy reply, stopping at the same end of turn."""
+    transformers = pytest.importorskip("transformers")
+    from scratchlm.generate.chat import ChatSession
+    from scratchlm.train.checkpoint import load_for_inference
+
+    data = conversations(tmp_path / "chat.jsonl", 64, seed=3)
+    run = tmp_path / "run"
+    with torch_threads(1):
+        assert main(["finetune", "--init-from", str(base), "--data", str(data), "--run-dir", str(run),
+                     "--set", "train.max_steps=40", "--set", "optim.lr=1e-2", "--set", "data.val_fraction=0",
+                     *FAST]) == 0
+    assert main(["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 0
+    model, config = load_for_inference(run)
+    tokenizer = Tokenizer.load(config.data.tokenizer)
+    messages = [{"role": "user", "content": "tell me something"}]
+    ours = "".join(ChatSession(model, tokenizer, temperature=0, max_new_tokens=12).reply(messages[0]["content"]))
+
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    prompt = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt == tokenizer.encode_chat(messages, add_generation_prompt=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    end_of_turn = tokenizer.special_id("<|im_end|>")
+    assert theirs[-1] == end_of_turn  # learned: the fixed reply, then the end of the turn, where generate() stops
+    assert ours == REPLY == tokenizer.decode(theirs[:-1])

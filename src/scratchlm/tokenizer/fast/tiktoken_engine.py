@@ -46,7 +46,6 @@ import numpy as np
 from scratchlm.extras import require
 from scratchlm.tokenizer.bpe import merge_table
 from scratchlm.tokenizer.fast.batch_merge import BatchMerger
-from scratchlm.tokenizer.formats.added_tokens import FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -57,26 +56,25 @@ if TYPE_CHECKING:
 class TiktokenTokenizer(Tokenizer):
     """A ``Tokenizer`` whose ordinary text is encoded by tiktoken: the same ids, or a ValueError at construction.
 
-    ``fast``, ``cache_size`` and ``added_token_flags`` are ``Tokenizer``'s (``load``, ``from_files`` and
-    unpickling pass them); the first two choose the piece encoder ``Tokenizer.__init__`` builds, which is then
-    replaced by tiktoken's. ``encoding`` is the ``tiktoken.Encoding``, usable on its own (its special tokens are
-    ours, with our ids).
+    ``options`` are ``Tokenizer``'s keywords (``fast``, ``cache_size``, ``added_token_flags``, the chat template:
+    ``load``, ``from_files`` and unpickling pass them); ``fast`` and ``cache_size`` choose the piece encoder
+    ``Tokenizer.__init__`` builds, which is then replaced by tiktoken's. ``encoding`` is the ``tiktoken.Encoding``,
+    usable on its own (its special tokens are ours, with our ids).
     """
 
     def __init__(self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
-                 special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, fast: bool = True,
-                 cache_size: int = 100_000, added_token_flags: FlagsByToken | None = None) -> None:
-        super().__init__(vocab, merges, special_tokens, pipeline=pipeline, fast=fast, cache_size=cache_size,
-                         added_token_flags=added_token_flags)
+                 special_tokens: list[str] | None = None, *, pipeline: Pipeline = GPT2_PIPELINE, **options) -> None:
+        super().__init__(vocab, merges, special_tokens, pipeline=pipeline, **options)
         self.encoding = tiktoken_encoding(self)
         self._bpe = TiktokenBPE(self.encoding, pipeline)
 
     @classmethod
     def like(cls, tokenizer: Tokenizer) -> TiktokenTokenizer:
-        """The tiktoken twin of ``tokenizer``: the same vocab, merges, special tokens (and their flags) and pipeline
-        (so the same hash)."""
+        """The tiktoken twin of ``tokenizer``: the same vocab, merges, special tokens (and their flags), pipeline
+        (so the same hash) and chat template."""
         return cls(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, pipeline=tokenizer.pipeline,
-                   added_token_flags=tokenizer.added_token_flags)
+                   added_token_flags=tokenizer.added_token_flags, chat_template=tokenizer.chat_template,
+                   end_of_turn_ids=tokenizer.end_of_turn_ids)
 
 
 class TiktokenBPE:
