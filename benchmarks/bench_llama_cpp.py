@@ -14,7 +14,8 @@ Measured, per model, with the median over rounds (contenders in ABBA order, harn
 - prompt processing: one forward over a `--prompt-tokens` prompt (ours: the model on the whole prompt under
   inference_mode; llama.cpp: one llama_decode of it), tokens/s;
 - decoding at batch 1: `--new-tokens` greedy tokens after a 16-token prompt (ours: `generate(temperature=0)`, the
-  engine every entry point shares; llama.cpp: eval one token, numpy argmax, repeat), new tokens/s;
+  engine every entry point shares, eagerly and with `compile=True`, whose float32 one-row step is compiled ahead of
+  time: its build is not timed; llama.cpp: eval one token, numpy argmax, repeat), new tokens/s;
 - 8 sequences: ours decodes 8 prompts at once through the same engine, llama.cpp (one sequence at a time in
   llama-cpp-python) decodes them one after the other; new tokens/s over all 8.
 llama.cpp runs as llama-cpp-python configures it by default (KV cache in f16, flash attention off).
@@ -65,17 +66,18 @@ def write_model(name: str, folder: Path) -> tuple[TransformerLM, dict[str, Path]
     return model, files
 
 
-def time_ours(model: TransformerLM, prompts: list[list[int]], long_prompt: list[int], new_tokens: int) -> dict:
-    """Seconds for one prompt forward, one batch-1 decode and one 8-sequence decode."""
+def time_ours(model: TransformerLM, prompts: list[list[int]], long_prompt: list[int], new_tokens: int,
+              compile: bool = False) -> dict:
+    """Seconds for one prompt forward, one batch-1 decode and one 8-sequence decode (`compile`: generate's)."""
     with torch.inference_mode():
         start = time.perf_counter()
         model(torch.tensor([long_prompt]))
         prompt_s = time.perf_counter() - start
     start = time.perf_counter()
-    generate(model, prompts[0], new_tokens, temperature=0)
+    generate(model, prompts[0], new_tokens, temperature=0, compile=compile)
     decode_s = time.perf_counter() - start
     start = time.perf_counter()
-    generate(model, prompts, new_tokens, temperature=0)
+    generate(model, prompts, new_tokens, temperature=0, compile=compile)
     return {"prompt": prompt_s, "decode": decode_s, "batch": time.perf_counter() - start}
 
 
@@ -99,8 +101,12 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
     new_tokens = min(args.new_tokens, cfg.context_length - PROMPT)
     model16 = TransformerLM(cfg, dtype=torch.bfloat16).eval()
     model16.load_state_dict(model32.state_dict())
+    start = time.perf_counter()  # --compile builds its one-row library (float32) at the first call: not timed
+    generate(model32, prompts[0], 2, temperature=0, compile=True)
+    print(f"{name}: the float32 --compile step built in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     contenders = {
         "scratchlm fp32": lambda: time_ours(model32, prompts, long_prompt, new_tokens),
+        "scratchlm fp32 --compile": lambda: time_ours(model32, prompts, long_prompt, new_tokens, compile=True),
         "scratchlm bf16": lambda: time_ours(model16, prompts, long_prompt, new_tokens),
         "llama.cpp f32": lambda: time_llama_cpp(files["f32"], prompts, long_prompt, new_tokens, args.threads,
                                                 cfg.context_length),
@@ -129,7 +135,8 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
         print(f"| {row['contender']} | {row['prompt_tokens_per_s']:,.0f} | {row['decode_tokens_per_s']:,.0f} | "
               f"{row['batch_tokens_per_s']:,.0f} |")
     by = {row["contender"]: row for row in rows}
-    for ours, theirs in (("scratchlm fp32", "llama.cpp f32"), ("scratchlm bf16", "llama.cpp f16")):
+    for ours, theirs in (("scratchlm fp32", "llama.cpp f32"), ("scratchlm fp32 --compile", "llama.cpp f32"),
+                         ("scratchlm bf16", "llama.cpp f16")):
         ratios = {kind: by[ours][f"{kind}_tokens_per_s"] / by[theirs][f"{kind}_tokens_per_s"] for kind in work}
         print(f"speed {ours} / {theirs}: prompt {ratios['prompt']:.2f}x, decode {ratios['decode']:.2f}x, "
               f"8 sequences {ratios['batch']:.2f}x (> 1: ours is faster)")

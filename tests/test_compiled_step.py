@@ -15,14 +15,14 @@ from scratchlm.generate.commands import say_if_not_compiled
 from scratchlm.generate.decoding import generate
 from scratchlm.model import KVCache, kernels
 from scratchlm.model.kernels import compiled_step
-from scratchlm.model.kernels.decode_step import DecodeStep
 from test_decode_step import TOLERANCE, _model, _prefilled
 
 STEPS = 6
-# The compiled step loses in float32 (see compiled_step.py), so it is not used there; it still computes float32,
-# where it is checked to float32's tolerance, inductor's reordered sums included.
-# (dtype, model switches, prompt lengths): the third decodes across a span boundary (64 columns of 160).
-CASES = [(torch.float32, {}, [5, 9, 2]),
+# float32 compiles for one row (ahead of time), bf16 for any (torch.compile): checked to each dtype's tolerance,
+# inductor's reordered sums included. (dtype, model switches, prompt lengths): the last decodes across a span
+# boundary (64 columns of 160).
+CASES = [(torch.float32, {}, [5]),
+         (torch.float32, {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "logit_softcap": 3.0}, [7]),
          (torch.bfloat16, {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "logit_softcap": 3.0,
                            "ffn": "silu"}, [5, 9, 2]),
          (torch.bfloat16, {"context_length": 160}, [58, 62, 60])]
@@ -48,8 +48,7 @@ def test_the_compiled_step_equals_the_forward_with_left_padding(dtype, overrides
         assert_close(got_layer[:, :, :step_cache.length], want_layer[:, :, :forward_cache.length], **tolerance)
 
 
-def test_decoding_compiles_only_a_bf16_model_and_only_its_one_token_steps():
-    assert not compiled_step.supports(_model(torch.float32))
+def test_decoding_compiles_only_one_token_steps_and_float32_only_at_one_row():
     model = _model(torch.bfloat16)
     assert compiled_step.supports(model)
     calls = []
@@ -67,8 +66,12 @@ def test_decoding_compiles_only_a_bf16_model_and_only_its_one_token_steps():
         compiled.__class__.__call__ = original
     assert calls == [torch.Size([2, 1])]
     float32 = _model(torch.float32)
-    with torch.inference_mode(), kernels.decoding(float32, compile=True) as step:
-        assert isinstance(step, DecodeStep)  # float32: eager, where it is faster
+    compiled = compiled_step.compiled_for(float32)
+    cache, ids = _prefilled(float32, [3, 3])
+    with torch.inference_mode():
+        assert not compiled.applies(ids[:, :1], cache, None)  # two float32 rows: eager, where it is faster
+        one, one_ids = _prefilled(float32, [3])
+        assert compiled.applies(one_ids[:, :1], one, None)
 
 
 def test_weights_changed_since_the_compile_are_never_decoded_stale():
@@ -118,9 +121,26 @@ def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
 
 
 def test_the_commands_say_in_one_line_why_compile_is_ignored(capsys):
-    say_if_not_compiled(True, _model(torch.float32), "scratchlm generate")
-    assert capsys.readouterr().err == ("scratchlm generate: --compile ignored: the weights are float32: compiling "
-                                       "wins only for bf16 (--dtype bf16)\n")
+    say_if_not_compiled(True, _model(torch.float16), "scratchlm generate")
+    assert capsys.readouterr().err == ("scratchlm generate: --compile ignored: the weights are float16: compiling "
+                                       "wins only for bf16 and float32\n")
     say_if_not_compiled(True, _model(torch.bfloat16), "scratchlm serve")  # compiles: nothing to say
     say_if_not_compiled(False, _model(torch.float32), "scratchlm serve")  # not asked
     assert capsys.readouterr().err == ""
+
+
+def test_a_failed_one_row_build_decodes_eagerly(monkeypatch, caplog):
+    """float32 at one row builds a library ahead of time: when that fails (no C++ compiler), the eager step decodes,
+    the same tokens, and the log says why once."""
+    model = _model(torch.float32)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fails)
+    compiled_step._compiled.pop(model, None)
+    assert generate(model, [[1, 2, 3]], 6, temperature=0.0, compile=True) == \
+        generate(model, [[1, 2, 3]], 6, temperature=0.0)
+    assert compiled_step.compiled_for(model).failed
+    warnings = [r.getMessage() for r in caplog.records if r.name == "scratchlm.compile"]
+    assert warnings == ["torch.compile of the decoding step failed, decoding eagerly: no C++ compiler found"]
