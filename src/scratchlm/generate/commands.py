@@ -80,8 +80,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
                              "on the hardware)")
     parser.add_argument("--compile", action="store_true",
-                        help="decode a bf16 model on the CPU through torch.compile: faster per token after a "
-                             "compile of seconds (worth it for long or many samples; other dtypes decode as without)")
+                        help="decode through a compiled step on the CPU (bf16: torch.compile; fp32: one sequence's "
+                             "steps compiled ahead of time): faster per token after a build of seconds (worth it for "
+                             "long or many samples; fp16 decodes as without)")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace, command: str):
