@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench_serve import free_port, quantile, run_clients, server_env, start_server
+from bench_serve import free_port, quantile, run_clients, server_env, start_server, stream_events
 from harness import machine_line
 from scratchlm.compat.commands import write_run
 from scratchlm.model import ModelConfig, TransformerLM
@@ -58,18 +58,10 @@ def one_chat(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tupl
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first, usage = None, None
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:200]}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if first is None and any(c["delta"].get("content") for c in event.get("choices") or []):
-                first = time.perf_counter() - started
-            usage = event.get("usage") or usage
+    for event in stream_events(client, url, "/v1/chat/completions", body):
+        if first is None and any(c["delta"].get("content") for c in event.get("choices") or []):
+            first = time.perf_counter() - started
+        usage = event.get("usage") or usage
     if usage is None:
         raise RuntimeError("the stream ended without its usage chunk")
     return time.perf_counter() - started, first or 0.0, usage["completion_tokens"]

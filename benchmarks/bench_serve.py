@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -163,15 +163,10 @@ class RSSSampler:
         self._thread.join()
 
 
-def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tuple[float, float, int, int]:
-    """(latency s, time to first token s, completion tokens, prompt tokens) of one streamed request; raises on any
-    error. The body is valid for both servers (transformers serve ignores stream_options and always sends usage)."""
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    first = None
-    usage = None
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+def stream_events(client: httpx.Client, url: str, route: str, body: dict) -> Iterator[dict]:
+    """The JSON events of one streamed request (its `data:` lines up to [DONE]); raises on an HTTP or in-stream
+    error."""
+    with client.stream("POST", f"{url}{route}", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:200]}")
         for line in response.iter_lines():
@@ -181,10 +176,22 @@ def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> t
             if "error" in event:
                 error = event["error"]
                 raise RuntimeError(error["message"] if isinstance(error, dict) else error)
-            if first is None and any(choice.get("text") for choice in event.get("choices") or []):
-                first = time.perf_counter() - started
-            if event.get("usage"):
-                usage = event["usage"]
+            yield event
+
+
+def one_request(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tuple[float, float, int, int]:
+    """(latency s, time to first token s, completion tokens, prompt tokens) of one streamed request; raises on any
+    error. The body is valid for both servers (transformers serve ignores stream_options and always sends usage)."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = None
+    usage = None
+    for event in stream_events(client, url, "/v1/completions", body):
+        if first is None and any(choice.get("text") for choice in event.get("choices") or []):
+            first = time.perf_counter() - started
+        if event.get("usage"):
+            usage = event["usage"]
     if usage is None:
         raise RuntimeError("the stream ended without its usage chunk")
     return time.perf_counter() - started, first or 0.0, usage["completion_tokens"], usage["prompt_tokens"]
