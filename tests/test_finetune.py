@@ -212,3 +212,12 @@ def test_a_finetuned_export_answers_in_transformers_as_we_do(base, tmp_path):
     end_of_turn = tokenizer.special_id("<|im_end|>")
     assert theirs[-1] == end_of_turn  # learned: the fixed reply, then the end of the turn, where generate() stops
     assert ours == REPLY == tokenizer.decode(theirs[:-1])
+
+
+def test_a_fine_tuning_run_speaks_as_finetune():
+    """The start-up and budget lines of a fine-tuning run name `scratchlm finetune`, not train."""
+    from scratchlm.train.resolve import command_name
+
+    config = load_config(CONFIGS / "finetune.toml")
+    assert command_name(config) == "scratchlm finetune"
+    assert command_name(load_config(CONFIGS / "tiny.toml")) == "scratchlm train"

@@ -119,8 +119,8 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     saved = saved if resume else None
     config, start = _start(config, run_dir, resume, model_overrides)
     if isinstance(start, InitFrom) and not quiet:
-        print(f"scratchlm train: starting from the weights of {start.source.where} (a fresh optimizer and schedule)",
-              file=sys.stderr, flush=True)
+        print(f"{command_name(config)}: starting from the weights of {start.source.where} (a fresh optimizer and "
+              f"schedule)", file=sys.stderr, flush=True)
     tokenizer = _tokenizer(config, start)
     if (data is not None) != (config.data.format == "conversations"):
         raise UserError(f"data.format = {config.data.format} is trained by "
@@ -230,7 +230,7 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
     config, plan = plan_budget(config, train_tokens, started=started)
     config = _rank_zeros(config.with_values(train={"threads": plan.threads}))
     if not quiet:
-        print(f"scratchlm train: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
+        print(f"{command_name(config)}: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
     return config
 
 
@@ -243,8 +243,13 @@ def _precision(config: RunConfig, saved: RunConfig | None, device: torch.device,
         return config.with_values(train={"dtype": saved.train.dtype})
     dtype, why = choose_dtype(device)
     if not quiet:
-        print(f"scratchlm train: {why}", file=sys.stderr, flush=True)
+        print(f"{command_name(config)}: {why}", file=sys.stderr, flush=True)
     return _rank_zeros(config.with_values(train={"dtype": dtype}))
+
+
+def command_name(config: RunConfig) -> str:
+    """The command a run's messages name: fine-tuning runs (data.format = conversations) are `scratchlm finetune`'s."""
+    return "scratchlm finetune" if config.data.format == "conversations" else "scratchlm train"
 
 
 def _rank_zeros(config: RunConfig) -> RunConfig:

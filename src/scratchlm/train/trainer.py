@@ -56,7 +56,15 @@ from scratchlm.train.checkpoint import CheckpointManager
 from scratchlm.train.loss import perplexity
 from scratchlm.train.metrics import METRICS_FILE, MetricsLogger, device_peak_flops, truncate_records
 from scratchlm.train.plots import CURVES_FILE, can_draw_curves, plot_curves
-from scratchlm.train.resolve import CONFIG_FILE, ExampleData, InitFrom, ResolvedRun, Resume, resolve_run
+from scratchlm.train.resolve import (
+    CONFIG_FILE,
+    ExampleData,
+    InitFrom,
+    ResolvedRun,
+    Resume,
+    command_name,
+    resolve_run,
+)
 from scratchlm.train.run_lock import locks_run
 from scratchlm.train.setup import (
     build_model,
@@ -325,7 +333,7 @@ class _Loop:
             self.live = LivePlan(**shared[0])
         self.config = self.live.applied(self.config)
         if line and not self.quiet:
-            print(f"scratchlm train: {line}", file=sys.stderr, flush=True)
+            print(f"{command_name(self.config)}: {line}", file=sys.stderr, flush=True)
         return self.config.train
 
     def _agreed(self, wanted: bool, log: bool) -> bool:
@@ -439,7 +447,8 @@ class _Loop:
             self.logger.log({"kind": "end", "step": self.state.step, "status": status, "message": message})
             self._plot()
         if self.live is not None and not self.quiet:
-            print(f"scratchlm train: {self.live.summary(self.state.step, self.budget)}", file=sys.stderr, flush=True)
+            print(f"{command_name(self.config)}: {self.live.summary(self.state.step, self.budget)}", file=sys.stderr,
+                  flush=True)
         return TrainResult(status=status, final_step=self.state.step, train_loss=self.state.last_train_loss,
                            best_val_loss=self.state.best_val_loss,
                            tokens_per_s=trained / seconds if trained and seconds > 0 else None,
