@@ -31,25 +31,19 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench_serve import free_port, quantile, run_clients, server_env, start_server, stream_events
+from bench_serve import (
+    free_port,
+    quantile,
+    run_clients,
+    server_env,
+    start_server,
+    stream_events,
+    write_random_run,
+)
 from harness import machine_line
-from scratchlm.compat.commands import write_run
-from scratchlm.model import ModelConfig, TransformerLM
-from scratchlm.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "You tell short stories for children."},
             {"role": "user", "content": "Tell me a story about a cat who finds a red ball."}]
-
-
-def write_chat_run(preset: str, folder: Path) -> Path:
-    """A run with a random model of `preset`'s shape (at least 256 positions) and a byte-level ChatML tokenizer."""
-    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).with_chatml()
-    torch.manual_seed(0)
-    shape = ModelConfig.preset(preset)
-    model = TransformerLM(ModelConfig.preset(preset, vocab_size=max(shape.vocab_size, tokenizer.vocab_size),
-                                             context_length=max(shape.context_length, 256))).eval()
-    write_run(model, tokenizer, folder / "run")
-    return folder / "run"
 
 
 def one_chat(client: httpx.Client, url: str, max_tokens: int, seed: int) -> tuple[float, float, int]:
@@ -117,7 +111,7 @@ def main() -> None:
     max_tokens = args.max_tokens or (8 if args.quick else 128)
     threads = args.threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench-chat-") as folder:
-        run = write_chat_run(preset, Path(folder))
+        run = write_random_run(preset, Path(folder), chatml=True)
         port = free_port()
         server = start_server([sys.executable, "-m", "scratchlm", "serve", str(run), "--port", str(port),
                                "--log-level", "warning"], server_env(threads), port, Path(folder) / "serve.log")

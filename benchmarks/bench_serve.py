@@ -70,8 +70,10 @@ CB_PAGE_TOKENS = 256  # transformers' ContinuousBatchingConfig.page_size default
 TOKENIZER_VOCAB = 257  # 256 bytes + <|endoftext|>
 
 
-def write_random_run(preset: str, folder: Path) -> Path:
+def write_random_run(preset: str, folder: Path, *, chatml: bool = False) -> Path:
+    """A run with a random model of `preset`'s shape and a byte-level tokenizer (with ChatML: a chat model)."""
     tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    tokenizer = tokenizer.with_chatml() if chatml else tokenizer
     torch.manual_seed(0)
     shape = ModelConfig.preset(preset)
     # At least 256 positions: the tiny preset's 32 would not hold the prompt and a completion.

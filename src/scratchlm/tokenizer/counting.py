@@ -45,8 +45,8 @@ from scratchlm.tokenizer.pretokenize import (
 )
 from scratchlm.workers import default_workers
 
-# typing's constant, spelled out; typing and pathlib are not imported at all: a short training run (`corpus.en`)
-# would pay ~8 ms of its start-up for them.
+# typing's constant, spelled out; typing and pathlib are not imported at all: their import would be a noticeable
+# share of a short training run's start-up (figures: docs/benchmarks.md#bench_bpe_train).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import multiprocessing.context

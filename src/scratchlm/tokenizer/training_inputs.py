@@ -18,7 +18,7 @@ ahead of the reader, so memory stays bounded whatever the corpus size and a smal
 is found by the reader, in this process, so the stream stops at its first one.
 
 Inputs that are all plain text files go straight to ``counting.py`` without importing ``sources.py``: its readers
-(pathlib, dataclasses, json, gzip) would add ~20 ms to a short training run, a quarter of one on ``corpus.en``. So
+(pathlib, dataclasses, json, gzip) would be a noticeable share of a short training run's start-up. So
 ``NOT_PLAIN_TEXT_SUFFIXES`` repeats which names ``sources.py`` reads otherwise; a test keeps the two in step.
 """
 
