@@ -1,7 +1,7 @@
 """The compiled decoding step (model/kernels/compiled_step.py) equals the model's forward with a KV cache over many
-steps, with left padding and the model switches it carries; it is used only where it applies (bf16 on a CPU, one
-new token a row, weights unchanged since it compiled). Each compile takes seconds, so the cases are few and each
-covers several switches."""
+steps, with left padding and the model switches it carries; it is used only where it applies (bf16 or float32 on a
+CPU, one new token a row, weights unchanged since it was built). Each build takes seconds, so the cases are few
+and each covers several switches."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from scratchlm.model.kernels import compiled_step
 from test_decode_step import TOLERANCE, _model, _prefilled
 
 STEPS = 6
-# float32 compiles for one row (ahead of time), bf16 for any (torch.compile): checked to each dtype's tolerance,
-# inductor's reordered sums included. (dtype, model switches, prompt lengths): the last decodes across a span
-# boundary (64 columns of 160).
+# One row and several (the two libraries, float32's one-row products summed by inductor's loop), checked to each
+# dtype's tolerance, inductor's reordered sums included. (dtype, model switches, prompt lengths): the last decodes
+# across a span boundary (64 columns of 160).
 CASES = [(torch.float32, {}, [5]),
          (torch.float32, {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "logit_softcap": 3.0}, [7]),
+         (torch.float32, {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "ffn": "silu"}, [5, 9, 2]),
+         (torch.bfloat16, {}, [6]),
          (torch.bfloat16, {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "logit_softcap": 3.0,
                            "ffn": "silu"}, [5, 9, 2]),
          (torch.bfloat16, {"context_length": 160}, [58, 62, 60])]
@@ -48,7 +50,7 @@ def test_the_compiled_step_equals_the_forward_with_left_padding(dtype, overrides
         assert_close(got_layer[:, :, :step_cache.length], want_layer[:, :, :forward_cache.length], **tolerance)
 
 
-def test_decoding_compiles_only_one_token_steps_and_float32_only_at_one_row():
+def test_decoding_compiles_only_one_token_steps():
     model = _model(torch.bfloat16)
     assert compiled_step.supports(model)
     calls = []
@@ -65,13 +67,11 @@ def test_decoding_compiles_only_one_token_steps_and_float32_only_at_one_row():
     finally:
         compiled.__class__.__call__ = original
     assert calls == [torch.Size([2, 1])]
-    float32 = _model(torch.float32)
-    compiled = compiled_step.compiled_for(float32)
-    cache, ids = _prefilled(float32, [3, 3])
+    cache, ids = _prefilled(model, [3, 3])
     with torch.inference_mode():
-        assert not compiled.applies(ids[:, :1], cache, None)  # two float32 rows: eager, where it is faster
-        one, one_ids = _prefilled(float32, [3])
-        assert compiled.applies(one_ids[:, :1], one, None)
+        assert compiled.applies(ids[:, :1], cache, None)
+        assert not compiled.applies(ids[:, :2], cache, None)  # two tokens a row: a prefill
+        assert not compiled.applies(ids[:, :1], cache, torch.ones(2, 4, dtype=torch.bool))  # a mask: eager
 
 
 def test_weights_changed_since_the_compile_are_never_decoded_stale():
@@ -104,7 +104,7 @@ def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
 
     def fails(self, ids, cache):
         calls.append(1)
-        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found\nmore detail")
+        raise compiled_step.CompileFailed("no C++ compiler found\nmore detail")
 
     monkeypatch.setattr(compiled_step.CompiledStep, "__call__", fails)
     cache, ids = _prefilled(model, [4, 4])
@@ -117,7 +117,7 @@ def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):
     assert calls == [1] and compiled.failed
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     warnings = [r.getMessage() for r in caplog.records if r.name == "scratchlm.compile"]
-    assert warnings == ["torch.compile of the decoding step failed, decoding eagerly: no C++ compiler found"]
+    assert warnings == ["compiling the decoding step failed, decoding eagerly: no C++ compiler found"]
 
 
 def test_the_commands_say_in_one_line_why_compile_is_ignored(capsys):
@@ -129,9 +129,9 @@ def test_the_commands_say_in_one_line_why_compile_is_ignored(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_failed_one_row_build_decodes_eagerly(monkeypatch, caplog):
-    """float32 at one row builds a library ahead of time: when that fails (no C++ compiler), the eager step decodes,
-    the same tokens, and the log says why once."""
+def test_a_failed_build_decodes_eagerly(monkeypatch, caplog):
+    """When building the library fails (no C++ compiler), the eager step decodes, the same tokens, and the log
+    says why once."""
     model = _model(torch.float32)
 
     def fails(*args, **kwargs):
@@ -143,4 +143,4 @@ def test_a_failed_one_row_build_decodes_eagerly(monkeypatch, caplog):
         generate(model, [[1, 2, 3]], 6, temperature=0.0)
     assert compiled_step.compiled_for(model).failed
     warnings = [r.getMessage() for r in caplog.records if r.name == "scratchlm.compile"]
-    assert warnings == ["torch.compile of the decoding step failed, decoding eagerly: no C++ compiler found"]
+    assert warnings == ["compiling the decoding step failed, decoding eagerly: no C++ compiler found"]

@@ -34,8 +34,8 @@ def generate(model: TransformerLM, prompt_ids: Sequence[int] | Sequence[Sequence
     """The new tokens of each prompt (a list of prompts, or one prompt as a flat list -> a list of one).
 
     ``vocab_limit`` (default: the model's vocab_size) restricts sampling to ids below it, e.g. a tokenizer's
-    vocab_size when the model's vocabulary is padded beyond it. ``compile`` decodes a bf16 model's steps through
-    torch.compile (model/kernels/compiled_step.py): faster per token on a CPU, after a compile of seconds.
+    vocab_size when the model's vocabulary is padded beyond it. ``compile`` decodes through a step compiled ahead of
+    time (model/kernels/compiled_step.py): faster per token on a CPU, after a build of seconds.
     """
     prompts = _as_batch(prompt_ids, model.config.vocab_size)
     outputs: list[list[int]] = [[] for _ in prompts]

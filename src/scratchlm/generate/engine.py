@@ -131,7 +131,7 @@ class Engine:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.compile = compile  # decode a bf16 model's steps through torch.compile (model/kernels/compiled_step.py)
+        self.compile = compile  # decode through the step compiled ahead of time (model/kernels/compiled_step.py)
         self.prompt_limit = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else vocab_limit or self.prompt_limit
         self.device = model.lm_head.weight.device
@@ -260,9 +260,9 @@ class Engine:
         self._fail_all("the server is shutting down", kind="shutdown")
 
     def _compile_steps(self) -> None:
-        """Compile the decoding step before the first request rather than during it: its two graphs, one row and
+        """Build the decoding step before the first request rather than during it: its two libraries, one row and
         any other count (compiled_step.py), each by a step on a scratch cache, before start() returns."""
-        log.info("compiling the decoding step (torch.compile, about 20 s)")
+        log.info("compiling the decoding step (ahead of time, 20-60 s)")
         for rows in (1, 2):
             with torch.inference_mode(False):  # a cache as the batch's: shape, strides and kind are in the guards
                 cache = KVCache.for_model(self.model, rows, zeroed=False)

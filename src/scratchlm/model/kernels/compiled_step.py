@@ -1,25 +1,25 @@
-"""A decoding step compiled by inductor for CPUs: `generate(..., compile=True)`, `scratchlm generate --compile`.
+"""A decoding step compiled ahead of time for CPUs: `generate(..., compile=True)`, `scratchlm generate --compile`.
 
 Wins on: CPUs, where the eager step (decode_step.py) spends most of its time outside the products, in ~330 small
-tensor ops a token (norms, RoPE, casts, softmax), each a Python call and a dispatch; inductor fuses them into a few
-loops. Two compiled forms, each where it was measured to win (bench_compile_decode.py and bench_llama_cpp.py;
-figures in docs/benchmarks.md):
-- bf16, any batch: torch.compile with `freezing`, which also packs the weights for oneDNN as packed_linear.py does;
-- float32, one row (batch 1): the step ahead-of-time compiled into a shared library (AOTInductor), its products
-  few_rows_linear.py's as in the eager step, so a token is one C++ call, with no Python per op and no guards: on
-  the demo's model ~3x faster than the eager step, on tinystories-17m ~1.7x. With several float32 rows the eager
-  step's packed products beat inductor's, so those stay eager.
-The price is the compile, seconds for each form, paid once per model in a process (kept for the model's life while
-its weights are unchanged), more with inductor's on-disk cache cold. So it pays for long generations and
-long-lived decoders, and it is opt-in.
+tensor ops a token (norms, RoPE, casts, softmax), each a Python call and a dispatch. Here the step is exported and
+built by AOTInductor into a shared library: a step is one C++ call, those ops fused into a few loops, with no
+Python per op and no guards. Two libraries for each cache size, each built at its first call:
+- one row (batch 1): float32 products as inductor's own loop, x·W summed over the input features (a
+  matrix-vector product at cache or memory speed, where a BLAS runs one row at about half of it); bf16 products as
+  `x @ Wᵀ` on weights that inductor packs for oneDNN;
+- several rows (a dynamic dimension): every product as `x @ Wᵀ` on packed weights.
+On the demo's model that is ~3x the eager step at batch 1 and ~2x at batch 8; on tinystories-17m ~1.4x at both
+(bench_llama_cpp.py, bench_generate.py; figures in docs/benchmarks.md).
+The price is the build, seconds for each library, paid once per model in a process (kept for the model's life while
+its weights are unchanged). So it pays for long generations and long-lived decoders, and it is opt-in.
 
 What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one
 new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
-keys are masked). The cache's length is a dynamic dimension of both forms and the position a tensor, so a growing
-cache does not compile again. The math is decode_step.py's, from the model's own pieces (norms, QK-norm, RoPE,
-attention core, FFN activation, soft-cap) around concatenated q/k/v and FFN input products, for inductor to
-trace. Anything else (a prefill, an attention mask, autograd, weights changed since the compile) takes the eager
-step. Tested against the model's forward in tests/test_compiled_step.py.
+keys are masked). The cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
+build again. The math is decode_step.py's, from the model's own pieces (norms, QK-norm, RoPE, attention core, FFN
+activation, soft-cap) around concatenated q/k/v and FFN input products, for export to trace. Anything else (a
+prefill, an attention mask, autograd, weights changed since the build) takes the eager step. Tested against the
+model's forward in tests/test_compiled_step.py.
 """
 
 from __future__ import annotations
@@ -31,21 +31,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import torch._dynamo.config as dynamo_config
-import torch._inductor.config as inductor_config
 from torch import nn
 
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
 from scratchlm.model.kernels import decode_step
-from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.transformer import TransformerLM, softcap
 
 COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # where compiling was measured to win (see above)
-ONE_ROW_DTYPES = (torch.float32,)  # compiled for one row only, ahead of time
-# Graphs of this step's code in one process: each model (and each new set of its weights) adds two (batch 1 and
-# the dynamic batch). Dynamo's default of 8 for a code object would refuse the fifth model's.
-RECOMPILE_LIMIT = 64
 log = logging.getLogger("scratchlm.compile")
 _compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.WeakKeyDictionary()
 
@@ -69,8 +62,8 @@ def not_compiled_because(model: nn.Module) -> str | None:
 
 
 def compiled_for(model: TransformerLM) -> CompiledStep:
-    """The model's compiled step, compiled at its first call and kept for the model's life; a new one once the
-    weights changed (the compiled graph holds them as constants)."""
+    """The model's compiled step, its libraries built at their first calls and kept for the model's life; a new
+    one once the weights changed (the libraries hold them as constants)."""
     step = _compiled.get(model)
     if step is None or not step.current():
         step = _compiled[model] = CompiledStep(model)
@@ -78,7 +71,8 @@ def compiled_for(model: TransformerLM) -> CompiledStep:
 
 
 class CompileFailed(RuntimeError):
-    """The one-row library could not be built; raised before the step wrote anything."""
+    """A library could not be built (no C++ compiler, an op export cannot trace); raised before the step wrote
+    anything."""
 
 
 class CompiledStep:
@@ -87,76 +81,75 @@ class CompiledStep:
 
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
-        self.one_row_only = model.lm_head.weight.dtype in ONE_ROW_DTYPES
-        self.static = _StaticStep(model, product=few_rows_linear if self.one_row_only else _product)
-        self.compiled = None if self.one_row_only else torch.compile(self.static, fullgraph=True)
-        self.ahead_of_time: dict[int, object] = {}  # the one-row library (float32) for each cache length it met
+        self.static = _StaticStep(model)
+        self.one_row_product = _summed if model.lm_head.weight.dtype == torch.float32 else _product
+        self.libraries: dict[tuple[int, bool], Callable[..., torch.Tensor]] = {}  # (cache size, one row) -> built
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
         self.failed = False  # set by `give_up`: the calls go to the eager step from then on
 
     def give_up(self, error: Exception) -> None:
-        """After the compile failed (no C++ compiler, a dynamo limit): say so once; `applies` is False from now."""
+        """After a build failed: say so once; `applies` is False from now."""
         self.failed = True
-        log.warning("torch.compile of the decoding step failed, decoding eagerly: %s",
+        log.warning("compiling the decoding step failed, decoding eagerly: %s",
                     str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
 
     def current(self) -> bool:
         return all(parameter._version == version for parameter, version in self.sources)
 
     def applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
-        # A step on an empty cache (a one-token prompt) stays eager: a dimension of size 1 cannot be dynamic.
+        # A step on an empty cache (a one-token prompt) stays eager: a dimension of size 1 cannot be dynamic. The
+        # cache's buffers must be contiguous rows: their strides are built into the library.
         return (cache is not None and attention_mask is None and ids.dim() == 2 and ids.shape[1] == 1
-                and (not self.one_row_only or (ids.shape[0] == 1 and cache.keys[0].is_contiguous()))
-                and 0 < cache.length < cache.max_seq_len and not torch.is_grad_enabled() and not self.failed
-                and self.current())
+                and cache.keys[0].is_contiguous() and 0 < cache.length < cache.max_seq_len
+                and not torch.is_grad_enabled() and not self.failed and self.current())
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
         cache.check_room(1, ids.shape[0])
         cache.check_model(self.model())
         column = torch.tensor([cache.length], device=ids.device)
-        # The columns written so far and the new one: a length that changes every step, marked dynamic so that it
-        # is a symbol in the graph, not a new compile each step.
-        end = cache.length + 1
-        keys, values = [k[:, :, :end] for k in cache.keys], [v[:, :, :end] for v in cache.values]
-        key_padding = cache.key_padding[:, :end]
-        inputs = (ids[:, 0], cache.next_position, column, key_padding, keys, values)
-        logits = self._one_row(inputs, cache.max_seq_len) if self.one_row_only else self._traced(inputs)
+        inputs = _step_inputs(ids, cache, column, cache.keys, cache.values)
+        logits = self._library(inputs, cache)(*inputs)
         cache.next_position += 1
         cache.length += 1
         return logits[:, None]
 
-    def _one_row(self, inputs: tuple, max_seq_len: int) -> torch.Tensor:
-        """The step through the ahead-of-time library, compiled at the first call for caches of this size (their
-        contiguous buffers' strides are in the library) with the length written so far as a dimension."""
-        if max_seq_len not in self.ahead_of_time:
+    def _library(self, inputs: tuple, cache: KVCache) -> Callable[..., torch.Tensor]:
+        """The library for caches of this size (their buffers' strides are in it) and this many rows (one, or a
+        dynamic count), built at its first call with the cache's length as a dimension."""
+        one_row, max_seq_len = inputs[0].shape[0] == 1, cache.max_seq_len
+        if (max_seq_len, one_row) not in self.libraries:
             length = torch.export.Dim("length", min=2, max=max_seq_len - 1)
+            rows = {} if one_row else {0: torch.export.Dim("rows", min=2)}
             layers = len(inputs[4])
-            shapes = (None, None, None, {1: length}, [{2: length}] * layers, [{2: length}] * layers)
+            shapes = (rows, rows, None, rows | {1: length}, [rows | {2: length}] * layers,
+                      [rows | {2: length}] * layers)
+            self.static.product = self.one_row_product if one_row else _product  # read while it is traced
             try:
                 with torch.inference_mode(False), torch.no_grad(), _readable_rotation(self.static):
-                    program = torch.export.export(self.static, inputs, dynamic_shapes=shapes)
+                    # traced on copies of the cache's buffers, which the step writes and which may be inference
+                    # tensors (a trace cannot write those), copied whole so that their strides are the cache's
+                    example = _step_inputs(inputs[0][:, None], cache, inputs[2], [k.clone() for k in cache.keys],
+                                           [v.clone() for v in cache.values])
+                    program = torch.export.export(self.static, example, dynamic_shapes=shapes)
                 with tempfile.TemporaryDirectory() as folder:
-                    package = torch._inductor.aoti_compile_and_package(program, package_path=f"{folder}/step.pt2")
-                    self.ahead_of_time[max_seq_len] = torch._inductor.aoti_load_package(package)
+                    # freezing: the weights become constants that inductor packs for oneDNN (its `x @ Wᵀ` without
+                    # it is slower than the eager step's packed products)
+                    package = torch._inductor.aoti_compile_and_package(
+                        program, package_path=f"{folder}/step.pt2", inductor_configs={"freezing": True})
+                    self.libraries[max_seq_len, one_row] = torch._inductor.aoti_load_package(package)
             except Exception as error:  # no C++ compiler, an op export cannot trace: nothing was written yet
                 raise CompileFailed(str(error) or type(error).__name__) from error
-        return self.ahead_of_time[max_seq_len](*inputs)
+        return self.libraries[max_seq_len, one_row]
 
-    def _traced(self, inputs: tuple) -> torch.Tensor:
-        """The step through torch.compile: graphs for one row and for any other count (a dynamic batch)."""
-        rows, positions, column, key_padding, keys, values = inputs
-        for tensor in (*keys, *values):
-            torch._dynamo.mark_dynamic(tensor, 2)
-        torch._dynamo.mark_dynamic(key_padding, 1)
-        if rows.shape[0] > 1:  # the batch too (a server's changes size), in a graph of its own beside batch 1
-            for tensor in (rows, positions, key_padding, *keys, *values):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        # freezing: the weights become constants that inductor packs for oneDNN (without it the compiled step is
-        # slower than the eager one). It is read whenever a graph compiles (the first call of one row, and of
-        # more), so every call sets it (torch.compile's `options` do not reach it).
-        with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self.compiled(*inputs)
+
+def _step_inputs(ids: torch.Tensor, cache: KVCache, column: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> tuple:
+    """The library's arguments: the new ids (B,), their positions, the column they are written at, and the key
+    padding, keys and values of the columns written so far and the new one (a length that changes every step)."""
+    end = cache.length + 1
+    return (ids[:, 0], cache.next_position, column, cache.key_padding[:, :end], [k[:, :, :end] for k in keys],
+            [v[:, :, :end] for v in values])
 
 
 @contextmanager
@@ -175,8 +168,14 @@ def _readable_rotation(step: nn.Module) -> Iterator[None]:
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x Wᵀ as plain `@`."""
+    """x Wᵀ as plain `@`: inductor calls oneDNN's (or the BLAS's) product on its packed weight."""
     return x @ weight.t()
+
+
+def _summed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ as the sum over the input features of x·W: (B, in) -> (B, out). Inductor writes it as one loop over W's
+    rows (a matrix-vector product, vectorized and split across threads), with no (B, out, in) temporary."""
+    return (x[..., None, :] * weight).sum(-1)
 
 
 def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
@@ -187,12 +186,12 @@ def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
 class _StaticStep(nn.Module):
     """(ids (B,), positions (B,), column (1,), key_padding (B, T), keys, values) -> logits (B, V), writing each
     layer's new key and value at `column` = T - 1 of its (B, H_kv, T, d_k) cache views. decode_step.py's math
-    with the model's own pieces, its products against the weights by `product(x, weight)` = x Wᵀ: plain `@` for
-    torch.compile (inductor packs frozen weights itself), few_rows_linear for the one-row library."""
+    with the model's own pieces, its products against the weights by `product(x, weight)` = x Wᵀ (set before each
+    export: `_product` or `_summed`)."""
 
-    def __init__(self, model: TransformerLM, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, model: TransformerLM):
         super().__init__()
-        self.product = product
+        self.product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _product
         # The model's parts, not the model: the compiled step is kept under the model as a weak key.
         self.embedding, self.blocks, self.final_norm, self.head = (model.token_embeddings, model.layers,
                                                                    model.ln_final, model.lm_head)
