@@ -14,8 +14,8 @@ Measured, per model, with the median over rounds (contenders in ABBA order, harn
 - prompt processing: one forward over a `--prompt-tokens` prompt (ours: the model on the whole prompt under
   inference_mode; llama.cpp: one llama_decode of it), tokens/s;
 - decoding at batch 1: `--new-tokens` greedy tokens after a 16-token prompt (ours: `generate(temperature=0)`, the
-  engine every entry point shares, eagerly and with `compile=True`, whose float32 one-row step is compiled ahead of
-  time: its build is not timed; llama.cpp: eval one token, numpy argmax, repeat), new tokens/s;
+  engine every entry point shares, eagerly and with `compile=True`, whose steps are compiled ahead of time: their
+  build is not timed; llama.cpp: eval one token, numpy argmax, repeat), new tokens/s;
 - 8 sequences: ours decodes 8 prompts at once through the same engine, llama.cpp (one sequence at a time in
   llama-cpp-python) decodes them one after the other; new tokens/s over all 8.
 llama.cpp runs as llama-cpp-python configures it by default (KV cache in f16, flash attention off).
@@ -101,13 +101,17 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
     new_tokens = min(args.new_tokens, cfg.context_length - PROMPT)
     model16 = TransformerLM(cfg, dtype=torch.bfloat16).eval()
     model16.load_state_dict(model32.state_dict())
-    start = time.perf_counter()  # --compile builds its one-row library (float32) at the first call: not timed
-    generate(model32, prompts[0], 2, temperature=0, compile=True)
-    print(f"{name}: the float32 --compile step built in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    for model in (model32, model16):  # --compile builds its libraries (one row, several) at their first calls
+        start = time.perf_counter()
+        generate(model, prompts[0], 2, temperature=0, compile=True)
+        generate(model, prompts[:2], 2, temperature=0, compile=True)
+        print(f"{name}: the {model.lm_head.weight.dtype} --compile step built in {time.perf_counter() - start:.1f} s "
+              f"(not timed)", file=sys.stderr)
     contenders = {
         "scratchlm fp32": lambda: time_ours(model32, prompts, long_prompt, new_tokens),
         "scratchlm fp32 --compile": lambda: time_ours(model32, prompts, long_prompt, new_tokens, compile=True),
         "scratchlm bf16": lambda: time_ours(model16, prompts, long_prompt, new_tokens),
+        "scratchlm bf16 --compile": lambda: time_ours(model16, prompts, long_prompt, new_tokens, compile=True),
         "llama.cpp f32": lambda: time_llama_cpp(files["f32"], prompts, long_prompt, new_tokens, args.threads,
                                                 cfg.context_length),
         "llama.cpp f16": lambda: time_llama_cpp(files["f16"], prompts, long_prompt, new_tokens, args.threads,
@@ -136,7 +140,7 @@ def bench_model(name: str, folder: Path, args) -> list[dict]:
               f"{row['batch_tokens_per_s']:,.0f} |")
     by = {row["contender"]: row for row in rows}
     for ours, theirs in (("scratchlm fp32", "llama.cpp f32"), ("scratchlm fp32 --compile", "llama.cpp f32"),
-                         ("scratchlm bf16", "llama.cpp f16")):
+                         ("scratchlm bf16", "llama.cpp f16"), ("scratchlm bf16 --compile", "llama.cpp f16")):
         ratios = {kind: by[ours][f"{kind}_tokens_per_s"] / by[theirs][f"{kind}_tokens_per_s"] for kind in work}
         print(f"speed {ours} / {theirs}: prompt {ratios['prompt']:.2f}x, decode {ratios['decode']:.2f}x, "
               f"8 sequences {ratios['batch']:.2f}x (> 1: ours is faster)")
