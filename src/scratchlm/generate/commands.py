@@ -80,8 +80,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV cache: fp32 (default) or bf16 (half the memory; faster or not depending "
                              "on the hardware)")
     parser.add_argument("--compile", action="store_true",
-                        help="decode through a step compiled ahead of time on the CPU (fp32 and bf16): faster per token "
-                             "after a build of seconds (worth it for long or many samples; fp16 decodes as without)")
+                        help="decode through a step compiled ahead of time on the CPU (fp32 and bf16): faster per "
+                             "token after a build of seconds (worth it for long or many samples; fp16 decodes as "
+                             "without)")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace, command: str):

@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
     parser.add_argument("--compile", action="store_true",
-                        help="decode through a step compiled ahead of time on a CPU (fp32 and bf16: 1.4-3x the tokens/s) "
-                             "after 20-60 s of building at start-up")
+                        help="decode through a step compiled ahead of time on a CPU (fp32 and bf16: 1.3-3x the "
+                             "tokens/s) after 20-60 s of building at start-up")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
