@@ -5,7 +5,8 @@ The real vocabularies cannot be downloaded here, so each model gets a small byte
 with the model's added tokens (same texts, same special flags) and its tokenizer_config.json's template and named
 tokens: a Hugging Face folder that both ``Tokenizer.load`` and ``transformers.AutoTokenizer`` read. Rendered text
 and ids must be equal, for fixed conversations and hypothesis-made ones. Also: the template and end-of-turn ids
-survive save/load (ours and HF's files), ``with_chatml``, and bad messages are one line naming the field.
+survive save/load (ours and HF's files), ``with_chatml``, content parts render as their joined texts, and bad
+messages are one line naming the field.
 """
 
 from __future__ import annotations
@@ -215,14 +216,39 @@ def test_the_template_is_not_in_the_hash(bpe):
      "messages[1].role: unknown role 'bot' (expected system, user, assistant, tool)"),
     ([{"content": "a"}], "messages[0].role: missing"),
     ([{"role": "user"}], "messages[0].content: missing"),
-    ([{"role": "user", "content": 3}], "messages[0].content: expected a string, got int"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-     "messages[0].content: expected a string, got list"),
+    ([{"role": "user", "content": 3}], "messages[0].content: expected a string or a list of text parts, got int"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[1].content[0].type: 'image_url' parts are not supported: this model reads text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}],
+     "messages[0].content[1].type: 'input_audio' parts are not supported"),
+    ([{"role": "user", "content": [{"text": "a"}]}], 'messages[0].content[0].type: missing (expected "text")'),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text: expected a string, "
+                                                                   "got int"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text: expected a string, got NoneType"),
+    ([{"role": "user", "content": ["a"]}], "messages[0].content[0]: expected a text part"),
     (["hi"], "messages[0]: expected an object with role and content, got str"),
 ])
 def test_bad_messages_name_the_field(messages, message):
     with pytest.raises(UserError, match="^" + re.escape(message)):
         check_messages(messages)
+
+
+def test_text_parts_are_their_texts_joined_by_newlines(pair):
+    """OpenAI's list of content parts renders and encodes as the string of its texts joined by "\n" (vLLM's join
+    for a text template), on every template."""
+    model, ours, _ = pair
+    texts = ["Tell me a story", "about a cat.", ""]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": text} for text in texts]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Tom"}, {"type": "text", "text": "sat."}]}]
+    joined = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Tell me a story\nabout a cat.\n"},
+              {"role": "assistant", "content": "Tom\nsat."}]
+    assert check_messages(parts) == joined
+    for add_generation_prompt in (False, True):
+        options = {"add_generation_prompt": add_generation_prompt, **EXTRA.get(model, {})}
+        assert ours.render_chat(parts, **options) == ours.render_chat(joined, **options)
+        assert ours.encode_chat(parts, **options) == ours.encode_chat(joined, **options)
 
 
 def test_a_template_that_refuses_says_why():

@@ -2,7 +2,8 @@
 rendered conversation (the same as generate() on `encode_chat(..., add_generation_prompt=True)`), it ends at the
 end of the turn (<|im_end|>, not part of the reply) with finish_reason "stop", streams as role-then-content deltas
 ending in [DONE], n choices sample with seed + j as completions do, a stop string cuts it, and a model without a
-chat template or a bad conversation gets a 400 naming the field."""
+chat template or a bad conversation gets a 400 naming the field; content given as OpenAI's text parts is read
+as its text."""
 
 from __future__ import annotations
 
@@ -104,13 +105,25 @@ def test_the_official_client_raises_the_right_errors(client):
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
 
 
+def test_text_parts_are_read_as_their_text(client, model):
+    """OpenAI's content parts (what many clients send) give the prompt of the same text as a string."""
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=parts, temperature=0)
+    reply = generate(model, PROMPT, TURN, temperature=0)[0]
+    assert response.choices[0].message.content == TOKENIZER.decode(reply)
+    assert response.usage.prompt_tokens == len(PROMPT)
+
+
 BAD_CHATS = [  # (body, the message's telling part, param)
     ({}, "messages is required", "messages"),
     ({"messages": "hi"}, "messages: expected a list of messages, got str", "messages"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content: expected a string, got int",
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content: expected a string or a list of text parts",
      "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
-     "messages[0].content: expected a string, got list", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/b.png"}}]}]},
+     "messages[0].content[0].type: 'image_url' parts are not supported: this model reads text",
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content[0].text: expected a string, got NoneType", "messages[0].content[0].text"),
     ({"messages": [{"content": "a"}]}, "messages[0].role: missing", "messages[0].role"),
     ({"messages": ["a"]}, "messages[0]: expected an object", "messages[0]"),
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens must be an integer in [1, 100]",

@@ -13,12 +13,13 @@ Field defaults are OpenAI's: max_tokens 16, temperature 1, top_p 1, n 1. An empt
 lists), which is what lm-evaluation-harness sends.
 
 `parse_chat` reads a POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat) into the same
-`CompletionRequest`, with its `messages` (checked by tokenizer/chat_template.py's `check_messages`: a bad one is a
-400 naming the field, ``messages[1].role``) and no prompt yet: the server renders the messages with the model's
-chat template. `max_completion_tokens` (or the older `max_tokens`) defaults to what the context leaves
-(`max_tokens` None here); `logprobs`, tools and other fields we do not implement are refused by name. Its
-responses are ``chat.completion`` objects, and its stream ``chat.completion.chunk`` objects whose `delta` holds
-the role first, then the content.
+`CompletionRequest`, with its `messages` (checked by tokenizer/chat_template.py's `check_messages`: a content may be a
+string or a list of text parts, read as their texts joined by newlines; a bad message, or an image part, is a 400 naming
+the field, ``messages[1].role``, ``messages[0].content[1].type``) and no prompt yet: the server renders the messages
+with the model's chat template. `max_completion_tokens` (or the older `max_tokens`) defaults to what the context leaves
+(`max_tokens` None here); `logprobs`, tools and other fields we do not implement are refused by name. Its responses are
+``chat.completion`` objects, and its stream ``chat.completion.chunk`` objects whose `delta` holds the role first, then
+the content.
 """
 
 from __future__ import annotations

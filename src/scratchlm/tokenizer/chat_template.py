@@ -11,7 +11,11 @@ a ``chat_template.jinja`` file). It sees::
     unk_token, pad_token
     anything else          keyword arguments of ``render`` (Llama 3.2's ``date_string``, Qwen3's ``enable_thinking``)
 
-and renders in the environment transformers builds (``utils/chat_template_utils.py``, 5.x): an
+A message's content is a string, or OpenAI's list of text parts (``[{"type": "text", "text": "..."}]``), which the
+template sees joined by "\n" as vLLM joins them (``check_messages``); parts of other types (images, audio, files)
+are refused.
+
+It renders in the environment transformers builds (``utils/chat_template_utils.py``, 5.x): an
 ``ImmutableSandboxedEnvironment`` (templates come from the Hub, so they are untrusted code) with ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that is ``json.dumps`` (no HTML escaping,
 non-ASCII kept), and the globals ``raise_exception(message)``, ``strftime_now(format)`` (the local time now),
@@ -99,9 +103,10 @@ NAMED_TOKENS = tuple(field.name for field in fields(ChatTemplate) if field.name.
 
 
 def check_messages(messages: object, where: str = "messages") -> list[dict]:
-    """The messages as a list of plain dicts, each with a known ``role`` and a string ``content``; otherwise a
-    UserError naming the field (``messages[2].role: unknown role 'bot' ...``). Other keys of a message pass
-    through; a key whose value is None is dropped, as transformers drops it (an API's ``"name": null``)."""
+    """The messages as a list of plain dicts, each with a known ``role`` and a string ``content`` (a list of text
+    parts becomes that string: ``_content_text``); otherwise a UserError naming the field (``messages[2].role:
+    unknown role 'bot' ...``). Other keys of a message pass through; a key whose value is None is dropped, as
+    transformers drops it (an API's ``"name": null``)."""
     if not isinstance(messages, list | tuple):
         raise UserError(f"{where}: expected a list of messages, got {type(messages).__name__}")
     if not messages:
@@ -118,12 +123,36 @@ def check_messages(messages: object, where: str = "messages") -> list[dict]:
         if role not in ROLES:
             raise UserError(f"{place}.role: unknown role {role!r} (expected {', '.join(ROLES)})")
         if "content" not in message:
-            raise UserError(f"{place}.content: missing (expected a string)")
-        if not isinstance(message["content"], str):
-            raise UserError(f"{place}.content: expected a string, got {type(message['content']).__name__}"
-                            " (content parts are not supported)")
+            raise UserError(f"{place}.content: missing (expected a string or a list of text parts)")
+        message["content"] = _content_text(message["content"], f"{place}.content")
         checked.append(message)
     return checked
+
+
+def _content_text(content: object, place: str) -> str:
+    """A message's content as the string the template sees: a string as it is, or OpenAI's list of content parts
+    (``[{"type": "text", "text": "..."}, ...]``) with the texts joined by "\n". That is vLLM's join for a template
+    that reads content as a string (``_parse_chat_message_content_parts`` in vllm/entrypoints/chat_utils.py, its
+    "string" content format): a client's parts then give the text a vLLM server would give the same template.
+    transformers passes the list to the template unchanged, which a text template such as ChatML cannot render."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list | tuple):
+        raise UserError(f"{place}: expected a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for index, part in enumerate(content):
+        where = f"{place}[{index}]"
+        if not isinstance(part, Mapping):
+            raise UserError(f"{where}: expected a text part {{\"type\": \"text\", \"text\": ...}}, got "
+                            f"{type(part).__name__}")
+        kind = part.get("type")
+        if kind != "text":
+            raise UserError(f'{where}.type: missing (expected "text")' if kind is None else
+                            f"{where}.type: {kind!r} parts are not supported: this model reads text")
+        if not isinstance(part.get("text"), str):
+            raise UserError(f"{where}.text: expected a string, got {type(part.get('text')).__name__}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 # ---------------------------------------------------------------------------------------------- the environment
