@@ -68,6 +68,8 @@ def world(tmp_path_factory) -> Path:
     (root / "chat_not_json.jsonl").write_text(chat + "the cat\n")
     (root / "completion_list.jsonl").write_text('{"prompt": "the", "completion": ["cat"]}\n')
     (root / "completions.jsonl").write_text('{"prompt": "the", "completion": " cat"}\n')
+    (root / "chat_completion_str.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}], '
+                                                    '"completion": "x"}\n')
     token_a, token_b = byte_tokenizer(0), byte_tokenizer(1)
     token_a.save(root / "tokA")
     token_b.save(root / "tokB")
@@ -225,6 +227,8 @@ def test_train(world, tmp_path, capsys, argv, message, hold_lock):
 @pytest.mark.parametrize("argv, message", [
     (["--data", "{T}/chat_bad_role.jsonl"], "{T}/chat_bad_role.jsonl:2: messages[1].role: unknown role 'bot'"),
     (["--data", "{T}/completion_list.jsonl"], "{T}/completion_list.jsonl:1: completion: expected a string, got list"),
+    (["--data", "{T}/chat_completion_str.jsonl"],
+     "{T}/chat_completion_str.jsonl:1: completion: expected a list of messages, as the prompt is one, got str"),
     (["--data", "{T}/chat_not_json.jsonl"], "{T}/chat_not_json.jsonl:2: malformed JSON (Expecting value, column 1)"),
     (["--data", "{T}/chat.jsonl", "--val-data", "{T}/chat_bad_role.jsonl"], "chat_bad_role.jsonl:2: messages[1]."),
     (["--data", "{T}/train.tok"], "{T}/train.tok: fine-tuning reads JSON lines (.jsonl)"),

@@ -1,5 +1,6 @@
 """Fine-tuning data: records checked one line each, the loss mask equal to the assistant's turns on the real chat
-templates, packing and the row sampler, ChatML growth, and the HH-RLHF / TinyStories builders."""
+templates (a conversational prompt-completion's: the completion's turns only), packing and the row sampler, ChatML
+growth, and the HH-RLHF / TinyStories builders."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def chatml(bpe) -> Tokenizer:
     ('{"prompt": "x"}', "completion: missing"),
     ('{"prompt": "x", "completion": ["y"]}', "completion: expected a string, got list"),
     ('{"prompt": "x", "completion": ""}', "completion: empty"),
+    ('{"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}',
+     "completion: expected a string, got list (or give prompt and completion both as lists of messages)"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "completion": "y"}',
+     "completion: expected a list of messages, as the prompt is one, got str"),
+    ('{"prompt": [], "completion": [{"role": "assistant", "content": "y"}]}', "prompt: empty list"),
+    ('{"prompt": [{"role": "bot", "content": "x"}], "completion": [{"role": "assistant", "content": "y"}]}',
+     "prompt[0].role: unknown role 'bot'"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "completion": [{"role": "assistant", "content": 5}]}',
+     "completion[0].content: expected a string or a list of text parts, got int"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "completion": [{"role": "assistant", "content": "y"}, '
+     '{"role": "user", "content": "z"}]}', "completion[1].role: 'user', but a completion ends with the assistant's"),
+    ('{"prompt": [{"role": "assistant", "content": "x"}], "completion": [{"role": "assistant", "content": "y"}]}',
+     "prompt[0].role: the conversation starts with the assistant"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}]}',
+     "messages[0].content[0].type: 'image_url' parts are not supported: this model reads text"),
 ])
 def test_a_bad_record_is_one_line_naming_file_line_and_field(tmp_path, line, message):
     path = tmp_path / "data.jsonl"
@@ -65,6 +81,17 @@ def test_records_of_both_formats_from_a_folder(tmp_path):
     first, second = read_examples([str(tmp_path / "d")])
     assert isinstance(first, Conversation) and first.messages[2]["content"] == "Hello. How can I help?"
     assert second == Completion("2+2=", "4", f"{tmp_path / 'd' / 'b.jsonl'}:1")
+
+
+def test_conversational_prompt_completion_is_the_conversation_trained_from_the_completion(tmp_path):
+    prompt, completion = CONVERSATION[:4], CONVERSATION[4:]
+    parts = [{**message, "content": [{"type": "text", "text": message["content"]}]} for message in completion]
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "completion": completion}) + "\n"
+                    + json.dumps({"prompt": prompt, "completion": parts}) + "\n")
+    first, second = read_examples([str(path)])
+    assert first == Conversation(tuple(CONVERSATION), f"{path}:1", trained_from=4)
+    assert second.messages == first.messages  # text parts read as their text
 
 
 # ------------------------------------------------------------------------------------------------ the mask
@@ -108,6 +135,26 @@ def test_mask_is_the_assistant_turns_on_real_templates(bpe, tmp_path, model):
     contents = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
     assert assistant_texts(tokenizer, rendered) == [turn(c, i == len(contents) - 1) + end
                                                     for i, c in enumerate(contents)]
+
+
+@pytest.mark.parametrize("model", ["chatml", *sorted(REAL)])
+def test_a_prompt_completion_counts_only_the_completions_assistant_turns(chatml, bpe, tmp_path, model):
+    """The prompt's assistant turn is rendered but not counted: the mask is the whole conversation's (the messages
+    record's) from where the prompt ends, with its generation prompt."""
+    if model == "chatml":
+        tokenizer, (end, turn) = chatml, ("<|im_end|>", lambda content, last: content)
+    else:
+        pytest.importorskip("jinja2")
+        from test_chat_template import _hf_folder
+
+        tokenizer, (end, turn) = Tokenizer.load(_hf_folder(model, bpe, tmp_path)), REAL[model]
+    whole = render_example(Conversation(tuple(CONVERSATION), "x:1"), tokenizer)
+    rendered = render_example(Conversation(tuple(CONVERSATION), "x:1", trained_from=4), tokenizer)
+    prompt_end = len(tokenizer.encode_chat(CONVERSATION[:4], add_generation_prompt=True))
+    assert rendered.ids.tolist() == whole.ids.tolist()
+    assert rendered.counted.tolist() == [counted and i >= prompt_end for i, counted in enumerate(whole.counted)]
+    assert assistant_texts(tokenizer, rendered) == [turn(CONVERSATION[4]["content"], True) + end]
+    assert len(assistant_texts(tokenizer, whole)) == 2  # the prompt's assistant turn, counted in a messages record
 
 
 def test_a_template_without_the_prefix_property_is_refused(bpe):

@@ -17,7 +17,8 @@ FINETUNE_EPILOG = """examples:
       --run-dir runs/smol-mine --set train.max_steps=200
   scratchlm finetune --resume --run-dir runs/chat          # continue from the newest valid checkpoint
 data: JSON lines of {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]} or
-{"prompt": ..., "completion": ...} (files, folders, globs); see docs/finetune.md.
+{"prompt": ..., "completion": ...} (two strings, or two lists of messages: the loss counts the completion's
+assistant turns) (files, folders, globs); see docs/finetune.md.
 exit status: 0 finished, 1 diverged or bad input, 130 interrupted (a checkpoint was saved)."""
 
 

@@ -1,11 +1,16 @@
 """Reading fine-tuning data: JSON lines of conversations or prompt-completion pairs, each record checked.
 
-Two record formats, as Hugging Face TRL's SFTTrainer reads them:
+The record formats Hugging Face TRL's SFTTrainer reads for supervised fine-tuning:
 
 - conversational: ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``; rendered
   with the tokenizer's chat template, and the loss counts the assistant's turns;
+- conversational prompt-completion: ``{"prompt": [messages], "completion": [messages]}``; the conversation prompt +
+  completion, rendered alike, and the loss counts the completion's assistant turns only (``trained_from``), not
+  those of the prompt (TRL trains on the completion of a prompt-completion record);
 - prompt-completion: ``{"prompt": "...", "completion": "..."}``; plain text (no template), the completion followed
   by the end-of-text token, and the loss counts the completion.
+
+A content may be a string or a list of text parts (tokenizer/chat_template.py's ``check_messages``).
 
 Inputs are what ``data encode`` reads (data/sources.py): files, folders and globs of ``.jsonl`` / ``.json``
 (optionally ``.gz`` / ``.zst``). Every record is checked before anything is trained or written: a bad one is one
@@ -19,16 +24,19 @@ from dataclasses import dataclass
 
 from scratchlm.errors import UserError
 
-FORMATS = 'a "messages" list, or "prompt" and "completion" strings'
+FORMATS = 'a "messages" list, or "prompt" and "completion" (both strings, or both lists of messages)'
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """A checked conversation: ``messages`` (role, content, ...) with at least one assistant turn after a first
-    message that is not the assistant's."""
+    """A checked conversation: ``messages`` (role, content, ...) with at least one assistant turn at or after
+    ``trained_from``, after a first message that is not the assistant's. The loss counts the assistant turns from
+    ``messages[trained_from]`` on: all of them (0) for a messages record, the completion's for a prompt-completion
+    one."""
 
     messages: tuple[dict, ...]
     where: str  # FILE:LINE, for messages about it
+    trained_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,21 +77,47 @@ def checked_example(record: object, where: str) -> Example:
         if "prompt" in record or "completion" in record:
             raise UserError(f"{where}: has both messages and prompt/completion: give one format a record")
         messages = check_messages(record["messages"], where=f"{where}: messages")
-        roles = [message["role"] for message in messages]
-        if "assistant" not in roles:
+        if "assistant" not in [message["role"] for message in messages]:
             raise UserError(f"{where}: messages: no assistant message, so nothing to learn from this record")
-        if roles[0] == "assistant":
-            raise UserError(f"{where}: messages[0].role: the conversation starts with the assistant; the "
-                            f"assistant answers a system or user message")
+        _check_opening(messages, where, "messages")
         return Conversation(tuple(messages), where)
     if "prompt" in record or "completion" in record:
         for field in ("prompt", "completion"):
             if field not in record:
                 raise UserError(f"{where}: {field}: missing (a prompt-completion record has both)")
+        if isinstance(record["prompt"], list):
+            return _conversational_completion(record["prompt"], record["completion"], where)
+        for field in ("prompt", "completion"):
             if not isinstance(record[field], str):
-                raise UserError(f"{where}: {field}: expected a string, got {type(record[field]).__name__}")
+                raise UserError(f"{where}: {field}: expected a string, got {type(record[field]).__name__} (or give "
+                                f"prompt and completion both as lists of messages)")
         if not record["completion"]:
             raise UserError(f"{where}: completion: empty, so nothing to learn from this record")
         return Completion(record["prompt"], record["completion"], where)
     fields = ", ".join(map(repr, list(record)[:8])) or "none"
     raise UserError(f"{where}: expected {FORMATS} (fields: {fields})")
+
+
+def _conversational_completion(prompt: list, completion: object, where: str) -> Conversation:
+    """TRL's conversational prompt-completion record: the conversation prompt + completion, trained from the
+    completion on, which ends with the assistant's answer."""
+    from scratchlm.tokenizer.chat_template import check_messages
+
+    if not isinstance(completion, list):
+        raise UserError(f"{where}: completion: expected a list of messages, as the prompt is one, got "
+                        f"{type(completion).__name__}")
+    prompt = check_messages(prompt, where=f"{where}: prompt")
+    completion = check_messages(completion, where=f"{where}: completion")
+    last = len(completion) - 1
+    if completion[last]["role"] != "assistant":
+        raise UserError(f"{where}: completion[{last}].role: {completion[last]['role']!r}, but a completion ends with "
+                        f"the assistant's message (the answer to learn)")
+    _check_opening(prompt, where, "prompt")
+    return Conversation(tuple(prompt + completion), where, trained_from=len(prompt))
+
+
+def _check_opening(messages: list[dict], where: str, field: str) -> None:
+    """A conversation opens with a system or user message, which the assistant answers."""
+    if messages[0]["role"] == "assistant":
+        raise UserError(f"{where}: {field}[0].role: the conversation starts with the assistant; the assistant answers "
+                        f"a system or user message")

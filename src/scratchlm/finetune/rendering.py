@@ -11,6 +11,9 @@ template itself, not from knowledge of any one format. For the assistant message
   ``<|eot_id|>``), which counts too: the model learns to end its turn. A tokenizer without end-of-turn ids ends it
   where ``messages[:i + 1]`` rendered alone ends, which must be a prefix as well.
 
+Only the assistant messages from ``trained_from`` on count: a conversational prompt-completion record's prompt is
+rendered whole, assistant turns and all, but the loss counts its completion's turns only.
+
 A template for which a prefix is not a prefix (it renders earlier turns differently once more follow) cannot be
 split this way, and the record is refused, naming it, rather than trained on a guessed mask. (Qwen3's template
 adds an empty think block to the last assistant turn only; its turns are still found, since each ends at
@@ -80,7 +83,7 @@ def _conversation(example: Conversation, tokenizer: Tokenizer) -> tuple[list[int
     counted = [False] * len(ids)
     ends = set(tokenizer.end_of_turn_ids)
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or index < example.trained_from:
             continue
         start = _prefix_length(ids, tokenizer.encode_chat(messages[:index], add_generation_prompt=True), example,
                                f"messages[:{index}] with the generation prompt")
