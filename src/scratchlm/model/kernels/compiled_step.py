@@ -8,7 +8,7 @@ Python per op and no guards. Two libraries for each cache size, each built at it
   matrix-vector product at cache or memory speed, where a BLAS runs one row at about half of it); bf16 products as
   `x @ Wᵀ` on weights that inductor packs for oneDNN;
 - several rows (a dynamic dimension): every product as `x @ Wᵀ` on packed weights.
-On the demo's model that is ~3x the eager step at batch 1 and ~2x at batch 8; on tinystories-17m ~1.4x at both
+On the demo's model that is ~3.4x the eager step at batch 1 and ~2.3x at batch 8; on tinystories-17m 1.3-1.6x
 (bench_llama_cpp.py, bench_generate.py; figures in docs/benchmarks.md).
 The price is the build, seconds for each library, paid once per model in a process (kept for the model's life while
 its weights are unchanged). So it pays for long generations and long-lived decoders, and it is opt-in.
