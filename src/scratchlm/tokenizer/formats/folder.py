@@ -89,12 +89,6 @@ def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
                             "`scratchlm tokenizer train`)")
 
 
-def read_tokenizer_json(path: Path) -> TokenizerParts:
-    """A file named tokenizer.json: scratchlm's format as saved before it had a name of its own, or Hugging Face's
-    (read alone: no chat template)."""
-    return _parse_single_file(read_json(path), path)
-
-
 def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None) -> TokenizerParts:
     """GPT-2 ``vocab.json`` + ``merges.txt``, or one file that holds its own merges (scratchlm's or Hugging Face's
     tokenizer file) passed as vocab_path alone."""
