@@ -130,7 +130,7 @@ def test_what_the_step_does_not_compute_goes_to_the_forward(monkeypatch):
     model = _model()
     step = DecodeStep(model)
     calls = []
-    monkeypatch.setattr(DecodeStep, "_step", lambda self, ids, cache: calls.append(ids) or self.model.lm_head(
+    monkeypatch.setattr(DecodeStep, "step", lambda self, ids, cache: calls.append(ids) or self.model.lm_head(
         self.model.token_embeddings(ids)))
     cache, ids = _prefilled(model, [4, 4])
     padded, _ = _prefilled(model, [4, 2])

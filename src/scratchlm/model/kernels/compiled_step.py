@@ -16,10 +16,10 @@ its weights are unchanged). So it pays for long generations and long-lived decod
 What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one
 new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
 keys are masked). The cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
-build again. The math is decode_step.py's, from the model's own pieces (norms, QK-norm, RoPE, attention core, FFN
-activation, soft-cap) around concatenated q/k/v and FFN input products, for export to trace. Anything else (a
-prefill, an attention mask, autograd, weights changed since the build) takes the eager step. Tested against the
-model's forward in tests/test_compiled_step.py.
+build again. What export traces is decode_step.py's own step (`DecodeStep.step`, the model's pieces around
+concatenated q/k/v and FFN input products) over the library's inputs, its products swapped for the ones above: the
+decoding step is written once. Anything else (a prefill, an attention mask, autograd, weights changed since the
+build) takes the eager step. Tested against the model's forward in tests/test_compiled_step.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from torch import nn
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
 from scratchlm.model.kernels import decode_step
 from scratchlm.model.kv_cache import KVCache
-from scratchlm.model.transformer import TransformerLM, softcap
+from scratchlm.model.layers import linear
+from scratchlm.model.transformer import TransformerLM
 
 COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # where compiling was measured to win (see above)
 log = logging.getLogger("scratchlm.compile")
@@ -81,8 +82,7 @@ class CompiledStep:
 
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
-        self.static = _StaticStep(model)
-        self.one_row_product = _summed if model.lm_head.weight.dtype == torch.float32 else _product
+        self.one_row_product = _summed if model.lm_head.weight.dtype == torch.float32 else linear
         self.libraries: dict[tuple[int, bool], Callable[..., torch.Tensor]] = {}  # (cache size, one row) -> built
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
         self.failed = False  # set by `give_up`: the calls go to the eager step from then on
@@ -107,10 +107,8 @@ class CompiledStep:
         """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
         cache.check_room(1, ids.shape[0])
         cache.check_model(self.model())
-        column = torch.tensor([cache.length], device=ids.device)
-        inputs = _step_inputs(ids, cache, column, cache.keys, cache.values)
-        logits = self._library(inputs, cache)(*inputs)
-        cache.next_position += 1
+        inputs = _library_inputs(ids, cache, cache.keys, cache.values)
+        logits = self._library(inputs, cache)(*inputs)  # advances cache.next_position too
         cache.length += 1
         return logits[:, None]
 
@@ -121,17 +119,17 @@ class CompiledStep:
         if (max_seq_len, one_row) not in self.libraries:
             length = torch.export.Dim("length", min=2, max=max_seq_len - 1)
             rows = {} if one_row else {0: torch.export.Dim("rows", min=2)}
-            layers = len(inputs[4])
-            shapes = (rows, rows, None, rows | {1: length}, [rows | {2: length}] * layers,
-                      [rows | {2: length}] * layers)
-            self.static.product = self.one_row_product if one_row else _product  # read while it is traced
+            layers = len(inputs[3])
+            shapes = (rows, rows, rows | {1: length}, [rows | {2: length}] * layers, [rows | {2: length}] * layers)
+            step = _ExportedStep(self.model())
             try:
-                with torch.inference_mode(False), torch.no_grad(), _readable_rotation(self.static):
-                    # traced on copies of the cache's buffers, which the step writes and which may be inference
-                    # tensors (a trace cannot write those), copied whole so that their strides are the cache's
-                    example = _step_inputs(inputs[0][:, None], cache, inputs[2], [k.clone() for k in cache.keys],
-                                           [v.clone() for v in cache.values])
-                    program = torch.export.export(self.static, example, dynamic_shapes=shapes)
+                with torch.inference_mode(False), torch.no_grad(), step.traceable(
+                        self.one_row_product if one_row else linear):
+                    # traced on copies of the cache's tensors, which the step writes and which may be inference
+                    # tensors (a trace cannot write those), the buffers copied whole so that their strides are kept
+                    example = _library_inputs(inputs[0][:, None], cache, [k.clone() for k in cache.keys],
+                                              [v.clone() for v in cache.values], cache.next_position.clone())
+                    program = torch.export.export(step, example, dynamic_shapes=shapes)
                 with tempfile.TemporaryDirectory() as folder:
                     # freezing: the weights become constants that inductor packs for oneDNN (its `x @ Wᵀ` without
                     # it is slower than the eager step's packed products)
@@ -143,89 +141,67 @@ class CompiledStep:
         return self.libraries[max_seq_len, one_row]
 
 
-def _step_inputs(ids: torch.Tensor, cache: KVCache, column: torch.Tensor, keys: list[torch.Tensor],
-                 values: list[torch.Tensor]) -> tuple:
-    """The library's arguments: the new ids (B,), their positions, the column they are written at, and the key
-    padding, keys and values of the columns written so far and the new one (a length that changes every step)."""
+def _library_inputs(ids: torch.Tensor, cache: KVCache, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    positions: torch.Tensor | None = None) -> tuple:
+    """The library's arguments: the new ids (B,), each row's position, and the key padding, keys and values of the
+    columns written so far and the new one (a length that changes every step)."""
     end = cache.length + 1
-    return (ids[:, 0], cache.next_position, column, cache.key_padding[:, :end], [k[:, :, :end] for k in keys],
-            [v[:, :, :end] for v in values])
+    return (ids[:, 0], cache.next_position if positions is None else positions, cache.key_padding[:, :end],
+            [k[:, :, :end] for k in keys], [v[:, :, :end] for v in values])
 
 
-@contextmanager
-def _readable_rotation(step: nn.Module) -> Iterator[None]:
-    """RoPE's readable rotation while the step is traced: inductor fuses it into the step's loops, where the
-    complex one that decoding installs (complex_rope.py) has no C++ kernel in the library and goes back to ATen."""
-    ropes = [module for module in step.modules() if isinstance(module, RotaryPositionalEmbedding)]
-    saved = [rope.rotate for rope in ropes]
-    for rope in ropes:
-        rope.rotate = rotate_pairs
-    try:
-        yield
-    finally:
-        for rope, rotate in zip(ropes, saved):
-            rope.rotate = rotate
+class _LibraryCache:
+    """What decode_step.py's step reads of a KVCache, over the library's inputs: the columns so far and the new
+    one (the length, a dimension of the trace, is one less than theirs), each row's position and key padding (as
+    after left padding: the positions come from `next_position`, correct with or without padding)."""
+
+    has_padding = True
+
+    def __init__(self, positions: torch.Tensor, key_padding: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]):
+        self.next_position, self.key_padding, self.keys, self.values = positions, key_padding, keys, values
+        self.length = keys[0].shape[2] - 1
+
+    def check_room(self, new_tokens: int, batch_size: int) -> None:
+        """The caller's KVCache was checked before the call."""
+
+    def check_model(self, model: nn.Module) -> None:
+        """The caller's KVCache was checked before the call."""
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x Wᵀ as plain `@`: inductor calls oneDNN's (or the BLAS's) product on its packed weight."""
-    return x @ weight.t()
+class _ExportedStep(nn.Module):
+    """decode_step.py's step as export traces it: (ids (B,), positions (B,), key_padding (B, T), keys, values) ->
+    logits (B, V), writing each layer's new key and value in the last of its (B, H_kv, T, d_k) cache columns and
+    advancing `positions`. The model is a submodule only while the library is built."""
+
+    def __init__(self, model: TransformerLM):
+        super().__init__()
+        self.model, self.step = model, decode_step.DecodeStep(model)
+        self.fused = self.step.linears  # the concatenated q/k/v and FFN inputs, with the model's own Linears
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_padding: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        return self.step.step(ids[:, None], _LibraryCache(positions, key_padding, keys, values))
+
+    @contextmanager
+    def traceable(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        """While traced: every product of the step as `product(x, weight)`, and RoPE's readable rotation, which
+        inductor fuses into the step's loops (the complex one that decoding installs, complex_rope.py, has no C++
+        kernel in the library and goes back to ATen). What was installed comes back after."""
+        hooks = [(linear_, "matmul", product) for linear_ in self.fused]
+        hooks += [(rope, "rotate", rotate_pairs) for rope in self.model.modules()
+                  if isinstance(rope, RotaryPositionalEmbedding)]
+        saved = [(module, name, getattr(module, name)) for module, name, _ in hooks]
+        for module, name, value in hooks:
+            setattr(module, name, value)
+        try:
+            yield
+        finally:
+            for module, name, value in saved:
+                setattr(module, name, value)
 
 
 def _summed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x Wᵀ as the sum over the input features of x·W: (B, in) -> (B, out). Inductor writes it as one loop over W's
     rows (a matrix-vector product, vectorized and split across threads), with no (B, out, in) temporary."""
     return (x[..., None, :] * weight).sum(-1)
-
-
-def _frozen(*tensors: torch.Tensor) -> nn.Parameter:
-    """The tensors concatenated along their first dimension, as a parameter without gradient."""
-    return nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
-
-
-class _StaticStep(nn.Module):
-    """(ids (B,), positions (B,), column (1,), key_padding (B, T), keys, values) -> logits (B, V), writing each
-    layer's new key and value at `column` = T - 1 of its (B, H_kv, T, d_k) cache views. decode_step.py's math
-    with the model's own pieces, its products against the weights by `product(x, weight)` = x Wᵀ (set before each
-    export: `_product` or `_summed`)."""
-
-    def __init__(self, model: TransformerLM):
-        super().__init__()
-        self.product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _product
-        # The model's parts, not the model: the compiled step is kept under the model as a weak key.
-        self.embedding, self.blocks, self.final_norm, self.head = (model.token_embeddings, model.layers,
-                                                                   model.ln_final, model.lm_head)
-        self.cap = model.config.logit_softcap
-        blocks = model.layers
-        self.qkv = nn.ParameterList(_frozen(b.attn.q_proj.weight, b.attn.k_proj.weight, b.attn.v_proj.weight)
-                                    for b in blocks)
-        self.qkv_bias = nn.ParameterList(_frozen(b.attn.q_proj.bias, b.attn.k_proj.bias, b.attn.v_proj.bias)
-                                         for b in blocks if b.attn.q_proj.bias is not None)
-        self.up = nn.ParameterList(_frozen(*(linear.weight for linear in block.ffn.inputs)) for block in blocks)
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor, key_padding: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        rows = ids.shape[0]
-        rope = self.blocks[0].attn.rope
-        if rope is not None:
-            cos, sin = rope.angles(positions[:, None])  # (B, 1, d_k/2)
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d_k/2): over heads
-        x = self.embedding(ids)  # (B, d_model)
-        for index, block in enumerate(self.blocks):
-            attention, ffn = block.attn, block.ffn
-            heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
-            qkv = self.product(block.ln1(x), self.qkv[index])  # (B, (H + 2·H_kv)·d_k)
-            if self.qkv_bias:
-                qkv = qkv + self.qkv_bias[index]
-            q, k, v = qkv.view(rows, -1, 1, d).split((heads, kv_heads, kv_heads), dim=1)  # (B, heads, 1, d_k)
-            if attention.q_norm is not None:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            if rope is not None:
-                q, k = rope.rotated(q, cos, sin), rope.rotated(k, cos, sin)
-            keys[index].index_copy_(2, column, k)
-            values[index].index_copy_(2, column, v)
-            out = attention.attention_core(q, keys[index], values[index], key_padding)  # (B, H, 1, d_k)
-            x = x + self.product(out.view(rows, heads * d), attention.output_proj.weight)
-            up = self.product(block.ln2(x), self.up[index])
-            x = x + self.product(ffn.hidden(*up.chunk(len(ffn.inputs), dim=-1)), ffn.w2.weight)
-        return softcap(self.product(self.final_norm(x), self.head.weight), self.cap)

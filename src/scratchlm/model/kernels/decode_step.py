@@ -83,7 +83,7 @@ class DecodeStep:
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self._applies(ids, kv_cache, attention_mask):
             return self.model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
-        return self._step(ids, kv_cache)[:, None]
+        return self.step(ids, kv_cache)[:, None]
 
     def _applies(self, ids: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None) -> bool:
         # Several new tokens (a prefill) only without padding: a padded row's positions are its own count.
@@ -92,9 +92,10 @@ class DecodeStep:
                 and not torch.is_grad_enabled() and cache.length + ids.shape[1] <= self.model.config.context_length
                 and all(parameter._version == version for parameter, version in self.sources))
 
-    def _step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (B, T) -> the last position's logits (B, V); writes each layer's T keys and values at the cache's
-        length and advances it. The B·T tokens go through every product as one matrix of rows."""
+        length and advances it. The B·T tokens go through every product as one matrix of rows. What the compiled
+        step (compiled_step.py) traces too, over its library's inputs."""
         rows, new = ids.shape
         cache.check_room(new, rows)
         cache.check_model(self.model)
