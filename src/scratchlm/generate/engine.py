@@ -264,7 +264,7 @@ class Engine:
         any other count (compiled_step.py), each by a step on a scratch cache, before start() returns."""
         log.info("compiling the decoding step (ahead of time, 20-60 s)")
         for rows in (1, 2):
-            with torch.inference_mode(False):  # a cache as the batch's: shape, strides and kind are in the guards
+            with torch.inference_mode(False):  # a cache as the batch's: its strides are built into the library
                 cache = KVCache.for_model(self.model, rows, zeroed=False)
             self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a prefill
             self._forward(torch.zeros(rows, 1, dtype=torch.long, device=self.device), cache)  # a compiled step

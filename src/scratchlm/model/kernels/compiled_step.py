@@ -107,7 +107,7 @@ class CompiledStep:
         """ids (B, 1) -> logits (B, 1, V); writes the new keys and values at the cache's length and advances it."""
         cache.check_room(1, ids.shape[0])
         cache.check_model(self.model())
-        inputs = _library_inputs(ids, cache, cache.keys, cache.values)
+        inputs = _library_inputs(ids, cache, cache.next_position, cache.keys, cache.values)
         logits = self._library(inputs, cache)(*inputs)  # advances cache.next_position too
         cache.length += 1
         return logits[:, None]
@@ -127,8 +127,8 @@ class CompiledStep:
                         self.one_row_product if one_row else linear):
                     # traced on copies of the cache's tensors, which the step writes and which may be inference
                     # tensors (a trace cannot write those), the buffers copied whole so that their strides are kept
-                    example = _library_inputs(inputs[0][:, None], cache, [k.clone() for k in cache.keys],
-                                              [v.clone() for v in cache.values], cache.next_position.clone())
+                    example = _library_inputs(inputs[0][:, None], cache, cache.next_position.clone(),
+                                              [k.clone() for k in cache.keys], [v.clone() for v in cache.values])
                     program = torch.export.export(step, example, dynamic_shapes=shapes)
                 with tempfile.TemporaryDirectory() as folder:
                     # freezing: the weights become constants that inductor packs for oneDNN (its `x @ Wᵀ` without
@@ -141,13 +141,13 @@ class CompiledStep:
         return self.libraries[max_seq_len, one_row]
 
 
-def _library_inputs(ids: torch.Tensor, cache: KVCache, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    positions: torch.Tensor | None = None) -> tuple:
+def _library_inputs(ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, keys: list[torch.Tensor],
+                    values: list[torch.Tensor]) -> tuple:
     """The library's arguments: the new ids (B,), each row's position, and the key padding, keys and values of the
     columns written so far and the new one (a length that changes every step)."""
     end = cache.length + 1
-    return (ids[:, 0], cache.next_position if positions is None else positions, cache.key_padding[:, :end],
-            [k[:, :, :end] for k in keys], [v[:, :, :end] for v in values])
+    return (ids[:, 0], positions, cache.key_padding[:, :end], [k[:, :, :end] for k in keys],
+            [v[:, :, :end] for v in values])
 
 
 class _LibraryCache:
