@@ -29,6 +29,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from scratchlm.model.kernels import decode_step
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import linear
 from scratchlm.model.transformer import TransformerLM
+
+if TYPE_CHECKING:  # a type only: importing inductor's package loader takes seconds
+    from torch._inductor.package.package import AOTICompiledModel
 
 COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # where compiling was measured to win (see above)
 log = logging.getLogger("scratchlm.compile")
@@ -83,7 +87,7 @@ class CompiledStep:
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
         self.one_row_product = _summed if model.lm_head.weight.dtype == torch.float32 else linear
-        self.libraries: dict[tuple[int, bool], Callable[..., torch.Tensor]] = {}  # (cache size, one row) -> built
+        self.libraries: dict[tuple[int, bool], AOTICompiledModel] = {}  # (cache size, one row) -> built
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
         self.failed = False  # set by `give_up`: the calls go to the eager step from then on
 
@@ -108,11 +112,15 @@ class CompiledStep:
         cache.check_room(1, ids.shape[0])
         cache.check_model(self.model())
         inputs = _library_inputs(ids, cache, cache.next_position, cache.keys, cache.values)
-        logits = self._library(inputs, cache)(*inputs)  # advances cache.next_position too
-        cache.length += 1
+        library = self._library(inputs, cache)
+        new_ids, positions, key_padding, keys, values = inputs
+        # The library's runner, given the inputs in the order export flattened them: the loaded package's own
+        # __call__ would parse its call spec and flatten the inputs again at every step (~0.1 ms a token).
+        (logits,) = library.loader.boxed_run([new_ids, positions, key_padding, *keys, *values])
+        cache.length += 1  # the library advanced cache.next_position
         return logits[:, None]
 
-    def _library(self, inputs: tuple, cache: KVCache) -> Callable[..., torch.Tensor]:
+    def _library(self, inputs: tuple, cache: KVCache) -> AOTICompiledModel:
         """The library for caches of this size (their buffers' strides are in it) and this many rows (one, or a
         dynamic count), built at its first call with the cache's length as a dimension."""
         one_row, max_seq_len = inputs[0].shape[0] == 1, cache.max_seq_len
