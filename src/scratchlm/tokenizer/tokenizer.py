@@ -31,9 +31,8 @@ from pathlib import Path
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
 from scratchlm.tokenizer.chat_template import CHATML_END, CHATML_START, CHATML_TEMPLATE, ChatTemplate
-from scratchlm.tokenizer.formats.added_tokens import FlagsByToken, checked_flags
 from scratchlm.tokenizer.formats.hf import EOS_TOKEN
-from scratchlm.tokenizer.formats.io import invert_vocab
+from scratchlm.tokenizer.formats.io import FlagsByToken, checked_flags, invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
     has_known_boundaries,
@@ -56,7 +55,7 @@ class Tokenizer:
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
-    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/added_tokens.py``): they
+    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/io.py``): they
     change no id, only the tokenizer.json that ``save`` writes.
     ``chat_template`` (a ``ChatTemplate`` whose named tokens are special tokens of this tokenizer, or None) renders a
     conversation as text (``render_chat``); ``end_of_turn_ids`` are the ids that end an assistant turn (ChatML's
