@@ -1,23 +1,12 @@
-"""Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens.
+"""Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens, chat.
 
-What encode does, in order:
-1. split the text on special tokens (at the leftmost match, the longest): a special becomes its id and is never
-   merged;
-2. pre-tokenize each ordinary piece with the tokenizer's split pattern (``pretokenize.py``; GPT-2's by default),
-   after putting it in NFC when the pipeline says so (``pipeline.py``);
-3. BPE each pre-token: repeatedly merge the adjacent pair with the lowest merge rank, leftmost on ties
-   (``bpe.bpe_merge``, ~10 lines; ``bpe.ReadableBPE`` runs steps 2 and 3 as written); with the pipeline's
-   ignore_merges, a pre-token that is one token is that token.
-
-Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=False``, or by default ``CachedBPE``
-from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
-``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
-still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
-A tokenizer may carry a chat template (``chat_template.py``) and the ids that end an assistant turn: ``render_chat``
-and ``encode_chat`` render a conversation with it; ``encode`` never looks at it.
-Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats)
-and ``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens, the pipeline and the chat
-settings.
+``encode`` splits the text on special tokens (at the leftmost match, the longest), each of which becomes its id and
+is never merged; the ordinary pieces between them go to a ``bpe.PieceEncoder``, which pre-tokenizes them under the
+tokenizer's ``pipeline.Pipeline`` and runs BPE on each pre-token: ``bpe.ReadableBPE`` with ``fast=False``, else
+``fast.CachedBPE`` (the same ids, much faster). ``encode_stream`` buffers chunks and encodes all but a held-back
+tail that more text could still change (``_split_stable_prefix``), so its output equals ``encode`` of the whole.
+A chat template (``chat_template.py``) and the ids that end an assistant turn ride along for ``render_chat`` and
+``encode_chat``; ``encode`` never looks at them. Files are read and written by ``formats/``.
 """
 
 from __future__ import annotations
@@ -82,8 +71,14 @@ class Tokenizer:
         self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
         self._cache_size = cache_size
         self.fast = fast
-        self._bpe = _piece_encoder(merge_table(self.merges, self._bytes_to_id), self._byte_ids, pipeline,
-                                   self._ordinary_tokens() if pipeline.ignore_merges else None, fast, cache_size)
+        table = merge_table(self.merges, self._bytes_to_id)
+        tokens = self._ordinary_tokens() if pipeline.ignore_merges else None
+        if fast:  # imported only when asked for: it brings numpy
+            from scratchlm.tokenizer.fast import CachedBPE
+
+            self._bpe: PieceEncoder = CachedBPE(table, self._byte_ids, cache_size, pipeline, tokens)
+        else:
+            self._bpe = ReadableBPE(table, self._byte_ids, pipeline, tokens)
         self._hash: str | None = None
         self.chat_template, self.end_of_turn_ids = self._checked_chat(chat_template, end_of_turn_ids)
 
@@ -305,12 +300,16 @@ class Tokenizer:
 
     def _encode_text(self, text: str) -> list[int]:
         ids: list[int] = []
-        for piece, is_special in split_on_special_tokens(text, self._special_regex):
+        self._encode_pieces(split_on_special_tokens(text, self._special_regex), ids)
+        return ids
+
+    def _encode_pieces(self, pieces: Iterable[tuple[str, bool]], ids: list[int]) -> None:
+        """Append the ids of (piece, is_special) pairs, as ``split_on_special_tokens`` yields them, to ids."""
+        for piece, is_special in pieces:
             if is_special:
                 ids.append(self._special_ids[piece])
             else:
                 self._bpe.encode(piece, ids)
-        return ids
 
     def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
@@ -329,11 +328,7 @@ class Tokenizer:
         pieces = list(split_on_special_tokens(head, self._special_regex))
         open_piece = pieces.pop()[0] if pieces and not pieces[-1][1] else ""
         ids: list[int] = []
-        for piece, is_special in pieces:
-            if is_special:
-                ids.append(self._special_ids[piece])
-            else:
-                self._bpe.encode(piece, ids)
+        self._encode_pieces(pieces, ids)
         boundary = self._stable_boundary(open_piece)
         if boundary > 0:
             self._bpe.encode(open_piece[:boundary], ids)
@@ -413,16 +408,6 @@ class Tokenizer:
             if plain and self._bytes_to_id[data] == special:
                 self._bytes_to_id[data] = min(plain)
         return special_ids
-
-
-def _piece_encoder(table: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int], pipeline: Pipeline,
-                   tokens: dict[bytes, int] | None, fast: bool, cache_size: int) -> PieceEncoder:
-    """The fast encoder, imported only when asked for (it brings numpy), or the readable one."""
-    if not fast:
-        return ReadableBPE(table, byte_ids, pipeline, tokens)
-    from scratchlm.tokenizer.fast import CachedBPE
-
-    return CachedBPE(table, byte_ids, cache_size, pipeline, tokens)
 
 
 def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:

@@ -1,23 +1,18 @@
 """Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the fast ``PieceEncoder``.
 
-It gives the ids of ``bpe.ReadableBPE`` (the pipeline's NFC and split pattern, then ``bpe.bpe_merge`` per
-pre-token, or a whole token with ignore_merges), faster. With GPT-2's pattern:
+It gives the ids of ``bpe.ReadableBPE``, faster. With GPT-2's pattern:
 
-- Text is cut with ``str.split(" ")`` into words, and the hot loop is one dict lookup per word in a bounded
-  *word -> ids cache* plus a ``list.extend``: a space after a non-whitespace character always starts a new
-  GPT-2 pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). Cache misses and
-  whitespace runs go through the GPT-2 regex and a bounded *pre-token -> ids cache*. Natural text repeats a few
-  thousand words, so most lookups hit, and the regex (15-20 MB/s alone) runs on a fraction of the text.
-- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``: ``bpe.bpe_merge``'s rule with a
-  C-level scan, or a heap for long pieces). Many new words at once (a cold cache: the first megabytes of a
-  corpus) are learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``.
-  A pre-token of a megabyte or more (a line of DNA or base64) is merged by ``long_merge.py`` in bounded memory,
-  its ids yielded a chunk at a time and never cached.
+- Text is cut with ``str.split(" ")`` into words: a space after a non-whitespace character always starts a GPT-2
+  pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). The hot loop is one lookup per word
+  in a bounded *word -> ids cache* plus a ``list.extend``; misses and whitespace runs go through the GPT-2 regex
+  and a bounded *pre-token -> ids cache*. Natural text repeats a few thousand words, so most lookups hit.
+- A miss runs rank-based BPE on the pre-token's bytes (``merge.py``). Many new words at once (a cold cache) are
+  learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``. A pre-token
+  of a megabyte or more is merged by ``long_merge.py`` in bounded memory, its ids yielded a chunk at a time and
+  never cached.
 
-With any other pattern the GPT-2 facts behind ``str.split(" ")`` and the ASCII regex are not assumed: the text goes
-through the pattern whole (``pretokenize.split_pretokens``) and each pre-token through the pre-token cache; a block
-of mostly new pre-tokens is merged at once (``learn_pretokens``). About half the GPT-2 path's speed on natural text
-(the regex runs on all of it), and the same ids by construction.
+Any other pattern takes no GPT-2 shortcut: the pattern splits the whole text (``pretokenize.split_pretokens``) and
+each pre-token goes through the pre-token cache; a block of mostly new ones is merged at once (``learn_pretokens``).
 """
 
 from __future__ import annotations
