@@ -196,15 +196,9 @@ class Tokenizer:
     @property
     def hash(self) -> str:
         """sha256 hex digest of the canonical (vocab, merges, special tokens, pipeline); token files and runs record
-        it.
-
-        Of the content, never of a file: a tokenizer read from any file that holds it exactly (whatever its name
-        or format) has this hash, so a file's new name or format never changes a recorded identity. GPT-2's
-        pipeline adds no line, so the hashes recorded before pipelines existed keep their meaning.
-
-        The chat template and end-of-turn ids are not in it: they change no id of any text, so token files encoded
-        before a template was attached (or changed) are still this tokenizer's. (``with_chatml`` adds special
-        tokens, which are in it: that is another vocabulary.)"""
+        it. Of the content, never of a file, so a file's name or format never changes a recorded identity; GPT-2's
+        pipeline adds no line, so hashes recorded before pipelines existed keep their meaning. The chat template and
+        end-of-turn ids change no id of any text and are not in it (``with_chatml``'s new special tokens are)."""
         if self._hash is None:
             vocab = self.vocab
             lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]
@@ -235,10 +229,7 @@ class Tokenizer:
                 "end_of_turn_ids": self.end_of_turn_ids}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"], pipeline=state["pipeline"],
-                      fast=state["fast"], cache_size=state["cache_size"],
-                      added_token_flags=state["added_token_flags"], chat_template=state.get("chat_template"),
-                      end_of_turn_ids=state.get("end_of_turn_ids", ()))
+        self.__init__(**state)
 
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:

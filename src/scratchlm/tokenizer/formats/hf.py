@@ -206,8 +206,10 @@ def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
     if isinstance(source, list):  # an older layout of several named templates: [{"name": ..., "template": ...}]
         source = next((entry.get("template") for entry in source
                        if isinstance(entry, dict) and entry.get("name") == "default"), None)
+    where = config_path  # the file the template came from
     if (directory / HF_TEMPLATE_FILE).is_file():
-        source = (directory / HF_TEMPLATE_FILE).read_text(encoding="utf-8")
+        where = directory / HF_TEMPLATE_FILE
+        source = where.read_text(encoding="utf-8")
     if source is None:
         return NO_CHAT
     if not isinstance(source, str):
@@ -216,7 +218,6 @@ def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
     try:
         template = ChatTemplate(source, **tokens)
     except ValueError as error:  # a template that does not compile
-        where = directory / HF_TEMPLATE_FILE if (directory / HF_TEMPLATE_FILE).is_file() else config_path
         raise ValueError(f"{where}: {error}") from None
     ids = invert_vocab(vocab)
     eos = tokens["eos_token"]
