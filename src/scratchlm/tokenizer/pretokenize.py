@@ -133,7 +133,7 @@ def split_pretokens(text: str, pattern: str = GPT2_SPLIT_PATTERN) -> list[str]:
     check in CPython)."""
     if pattern == GPT2_SPLIT_PATTERN:
         return (GPT2_ASCII_SPLIT_REGEX if text.isascii() else GPT2_SPLIT_REGEX).findall(text)
-    return _isolated(compile_pattern(pattern), text)
+    return pretokens(text, pattern)
 
 
 def _isolated(compiled: regex.Pattern, text: str) -> list[str]:

@@ -305,14 +305,11 @@ class Tokenizer:
     def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
 
-        Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
-        longer special match), and (2) the end of the last ordinary piece: from its last space that follows a
-        non-whitespace character (a boundary no later text can move, as in ``CachedBPE.encode``), or, when it
-        has none, with GPT-2's pipeline, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters:
-        a match ending earlier was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives
-        trailing spaces away to the next word only once that word arrives). Another named pattern, or NFC,
-        falls back instead to the last line start between printable ASCII characters (``X"\\n"Y``), and a custom
-        pattern holds the whole piece back (its text is cut only at special tokens).
+        Held back: a tail that is a proper prefix of a special token (more text may complete it), and the end of
+        the last ordinary piece from its ``_stable_boundary``; without one, with GPT-2's pipeline, the final
+        pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters (an earlier match was decided by characters
+        already present: ``\\s+(?!\\S)`` gives trailing spaces to the next word only once it arrives), and with
+        any other pipeline the whole piece.
         """
         cut = len(buffer) - self._partial_special_length(buffer)
         head, pending = buffer[:cut], buffer[cut:]
@@ -337,7 +334,9 @@ class Tokenizer:
 
     def _stable_boundary(self, text: str) -> int:
         """A position in text where a pre-token starts whatever follows text, and nothing before it depends on
-        what comes after (so is NFC: the character there is ASCII); 0 when none is known."""
+        what comes after (so is NFC: the character there is ASCII); 0 when none is known. For a named pattern: the
+        last space after a non-whitespace character, else (unless the pipeline ``splits_like_gpt2``) the last line
+        start between printable ASCII characters (``X"\\n"Y``); a custom pattern has none."""
         if not has_known_boundaries(self.pipeline.pattern):
             return 0
         boundary = last_space_boundary(text)
