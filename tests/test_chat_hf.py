@@ -21,8 +21,8 @@ from conftest import require_shared
 from hf_models import hf_config, hf_model
 from scratchlm.cli import main
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags
 from scratchlm.tokenizer.formats.hf import write_hf_tokenizer
+from scratchlm.tokenizer.formats.io import AddedTokenFlags
 from scratchlm.train.checkpoint import load_for_inference
 from serve_helpers import MODEL_NAME, serving
 

@@ -29,7 +29,7 @@ from scratchlm.tokenizer.chat_template import (
     ChatTemplateError,
     check_messages,
 )
-from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags
+from scratchlm.tokenizer.formats.io import AddedTokenFlags
 from scratchlm.tokenizer.train_bpe import train_bpe
 
 transformers = pytest.importorskip("transformers")

@@ -1,26 +1,20 @@
 """Byte-level BPE as the CS336 handout and minbpe write it: training and encoding, slow and obviously correct.
 
-Read this file first. Everything else in tokenizer/ is either a faster way to compute exactly what this file
-computes (``train_bpe.py`` and ``fast/``, tested equal to this file on random and adversarial text), or plumbing:
-pre-tokenization (``pretokenize.py``, ``pipeline.py``), the ``Tokenizer`` that applies special tokens around an
-encoder (``tokenizer.py``), and the file formats (``formats/``).
+Read this file first. The rest of tokenizer/ computes the same thing faster (``train_bpe.py``, ``fast/``: tested
+equal to this file) or is plumbing: pre-tokenization (``pretokenize.py``, ``pipeline.py``), the ``Tokenizer`` around
+an encoder (``tokenizer.py``) and the file formats (``formats/``).
 
-Training. Split the text on special tokens (they are never merged), then into pre-tokens with the split pattern
-(GPT-2's by default), and count each pre-token. Each pre-token is a word of single bytes. Repeatedly count every
-adjacent pair of every word (weighted by the word's count), merge the most frequent pair everywhere (ties: the
-lexicographically greater pair of byte strings) and give the merged bytes the next id, until the vocabulary is
-full. The vocabulary is the 256 bytes, then the special tokens, then one token per merge. Tokens are byte strings
-throughout, so two merges that produce the same bytes are the same token. It recounts every pair after every
-merge: O(merges x corpus), for small inputs only.
+Training. Cut out the special tokens (never merged), split the rest into pre-tokens with the pattern (GPT-2's by
+default) and count them; each is a word of single bytes. Then, until the vocabulary is full, count every adjacent
+pair of every word (weighted by its count), merge the most frequent (ties: the greater pair of byte strings)
+everywhere, and give the merged bytes the next id. Vocabulary: the 256 bytes, the special tokens, one token per
+merge. O(merges x corpus): small inputs only.
 
-Encoding. A pre-token becomes its UTF-8 bytes, one token each; then the adjacent pair with the lowest merge rank is
-merged, the leftmost one if it occurs more than once, until no adjacent pair has a merge: GPT-2's rule, as tiktoken's
-educational module and minbpe show it. ``ReadableBPE`` applies it to each pre-token of a text after the two steps a
-tokenizer's ``pipeline.Pipeline`` may add (NFC first, and with ``ignore_merges`` a pre-token whose bytes are one
-token is that token, unmerged, as Llama 3's tokenizer and tiktoken do). ``reference_encode`` spells the same rule
-minbpe's way, applying each merge in rank order to every occurrence at once; the two agree on merges learned by
-training, where no merge comes before the merges that make its inputs. Both cost O(n^2) per pre-token of n bytes:
-fine for a sentence, far too slow for a corpus, so ``Tokenizer`` uses ``fast/`` unless built with ``fast=False``.
+Encoding. A pre-token starts as its bytes; the adjacent pair with the lowest merge rank is merged (the leftmost if
+it occurs twice) until no pair has a merge: GPT-2's rule (``bpe_merge``). ``ReadableBPE`` applies it after the
+pipeline's NFC, and with ``ignore_merges`` a pre-token that is one token stays whole, as Llama 3 and tiktoken do.
+``reference_encode`` spells the rule minbpe's way, applying each merge in rank order everywhere; the two agree on
+trained merges. Both are O(n^2) per pre-token, so ``Tokenizer`` uses ``fast/`` unless built with ``fast=False``.
 """
 
 from __future__ import annotations

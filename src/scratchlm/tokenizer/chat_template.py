@@ -1,8 +1,8 @@
 """Chat templates: a conversation (a list of ``{"role", "content"}`` messages) rendered as the text a chat model was
 trained on, with the semantics of transformers' ``apply_chat_template``.
 
-A chat template is Jinja2 source, stored as Hugging Face stores it (``"chat_template"`` in tokenizer_config.json, or
-a ``chat_template.jinja`` file). It sees::
+A chat template is Jinja2 source, as Hugging Face stores it (``"chat_template"`` in tokenizer_config.json, or a
+``chat_template.jinja`` file). It sees::
 
     messages               the conversation, each message a dict (role, content, and any other keys given)
     add_generation_prompt  true to end with the header of an assistant turn (what a model then completes)
@@ -11,20 +11,11 @@ a ``chat_template.jinja`` file). It sees::
     unk_token, pad_token
     anything else          keyword arguments of ``render`` (Llama 3.2's ``date_string``, Qwen3's ``enable_thinking``)
 
-A message's content is a string, or OpenAI's list of text parts (``[{"type": "text", "text": "..."}]``), which the
-template sees joined by "\n" as vLLM joins them (``check_messages``); parts of other types (images, audio, files)
-are refused.
-
-It renders in the environment transformers builds (``utils/chat_template_utils.py``, 5.x): an
-``ImmutableSandboxedEnvironment`` (templates come from the Hub, so they are untrusted code) with ``trim_blocks`` and
-``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that is ``json.dumps`` (no HTML escaping,
-non-ASCII kept), and the globals ``raise_exception(message)``, ``strftime_now(format)`` (the local time now),
-``namespace`` (refusing names that start with ``_``). The ``{% generation %}`` block, which transformers uses to
-find the assistant's tokens, renders its body unchanged here.
-
-The rendered text is then encoded with special tokens recognised (``Tokenizer.encode``), as transformers encodes
-it (``add_special_tokens=False``): ``render`` + ``encode`` gives the ids of ``apply_chat_template(...,
-tokenize=True)``. tests/test_chat_template.py checks both, text and ids, on the real templates.
+It renders in the environment transformers 5 builds (``utils/chat_template_utils.py``): a sandbox (templates from
+the Hub are untrusted code) with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a ``tojson`` that is
+``json.dumps``, and ``raise_exception``, ``strftime_now`` and ``namespace``; ``{% generation %}`` renders its body.
+``render`` + ``Tokenizer.encode`` give the ids of ``apply_chat_template(..., tokenize=True)``
+(tests/test_chat_template.py checks text and ids on the real templates).
 """
 
 from __future__ import annotations
@@ -130,11 +121,9 @@ def check_messages(messages: object, where: str = "messages") -> list[dict]:
 
 
 def _content_text(content: object, place: str) -> str:
-    """A message's content as the string the template sees: a string as it is, or OpenAI's list of content parts
-    (``[{"type": "text", "text": "..."}, ...]``) with the texts joined by "\n". That is vLLM's join for a template
-    that reads content as a string (``_parse_chat_message_content_parts`` in vllm/entrypoints/chat_utils.py, its
-    "string" content format): a client's parts then give the text a vLLM server would give the same template.
-    transformers passes the list to the template unchanged, which a text template such as ChatML cannot render."""
+    """A message's content as the string the template sees: a string as it is, or OpenAI's list of text parts
+    (``[{"type": "text", "text": "..."}, ...]``) joined by "\n", as vLLM joins them for a string-content template
+    (transformers would pass the list on, which a text template such as ChatML cannot render)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list | tuple):

@@ -1,31 +1,18 @@
-"""Streaming, parallel pre-token counting: the first phase of BPE training.
+"""Streaming, parallel pre-token counting of text files: the first phase of BPE training.
 
-BPE training only needs how often each pre-token occurs, so the corpus is reduced to a ``Counter`` of
-pre-token strings. The file is never held whole by one process: it is cut into chunks of at most
-``chunk_bytes`` and each chunk is read, decoded, split and counted on its own (in worker processes for large
-inputs, one after another in this process for small ones), then the per-chunk counters are summed.
+Training needs only how often each pre-token occurs. A file is cut into chunks of at most ``chunk_bytes``, each
+read, decoded, split and counted on its own (in worker processes for large inputs), and the counters are summed.
 
-Why a chunk boundary cannot change the counts: a boundary is placed only where the pre-tokenization of the
-whole text is already cut, so counting the pieces separately gives exactly the counts of the whole. Two kinds
-of positions qualify (read from the raw bytes, so finding them needs only a small window of the file):
+A chunk boundary cannot change the counts: it is placed only where the pre-tokenization of the whole text is
+already cut, found in the raw bytes of a small window. Such places are the start of a special token (the text is
+split on them before the regex runs) and, for GPT-2's pattern, a ``\\n`` right after a printable non-space ASCII
+byte (every pattern alternative that holds that byte excludes whitespace, and the one look-around, ``\\s+(?!\\S)``,
+looks forward from a whitespace run). The other named patterns keep punctuation and the line ends after it
+together (``"!\\n"``), so for them it is just after a ``\\n`` with a printable ASCII byte on each side. No special
+token may straddle a boundary (checked), and every boundary is a UTF-8 character start. A custom pattern is cut
+only at special tokens.
 
-* the start of a special-token occurrence: the text is split on special tokens before the regex runs;
-* a ``\\n`` right after a printable, non-space ASCII byte: every GPT-2 pattern alternative that can hold that
-  byte excludes whitespace, and the only look-around in the pattern (``\\s+(?!\\S)``) looks forward from a
-  whitespace run, so no pre-token spans the position and the regex restarts there in both cases.
-
-In both cases no special-token occurrence may straddle the position (checked explicitly), which keeps the
-longest-first special-token split identical. Both kinds of positions fall on UTF-8 character starts, so each
-chunk also decodes on its own exactly as it would inside the whole file.
-
-That second kind is GPT-2's. The other named patterns (``pretokenize.has_known_boundaries``) keep a punctuation
-mark and the line ends after it together (``"!\\n"``), so for them the position is instead just after a ``\\n``
-that has a printable ASCII byte on each side (``X"\\n"Y``): there every one of those patterns ends a pre-token and
-starts the next, whatever precedes X. A custom pattern is cut only at special tokens (a file without them is one
-chunk), and its pieces are not cut into parts either (``count_text``).
-
-Invalid UTF-8 follows the ``errors`` policy: ``"strict"`` (default) raises a ValueError naming the file and
-the byte offset of the first invalid byte; ``"replace"`` substitutes U+FFFD, as ``bytes.decode`` does.
+Invalid UTF-8 follows ``errors``: "strict" raises naming the file and byte offset, "replace" substitutes U+FFFD.
 """
 
 from __future__ import annotations
@@ -45,8 +32,7 @@ from scratchlm.tokenizer.pretokenize import (
 )
 from scratchlm.workers import default_workers
 
-# typing's constant, spelled out; typing and pathlib are not imported at all: their import would be a noticeable
-# share of a short training run's start-up (figures: docs/benchmarks.md#bench_bpe_train).
+# typing's constant, spelled out: the counting path imports neither typing nor pathlib (a short run's start-up).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import multiprocessing.context
@@ -175,7 +161,7 @@ def count_text(text: str, special_regex: regex.Pattern | None, counts: Counter[s
             counts.update(split_pretokens(piece, pattern))
             continue
         for part in word_aligned_parts(piece):
-                # A non-ASCII part goes in small pieces: its ASCII ones take split_pretokens' faster pattern.
+            # A non-ASCII part goes in small pieces: its ASCII ones take split_pretokens' faster pattern.
             for small in (part,) if part.isascii() else word_aligned_parts(part, SMALL_PART_CHARS):
                 counts.update(split_pretokens(small, pattern))
 

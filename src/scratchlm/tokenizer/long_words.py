@@ -1,24 +1,18 @@
 """BPE training on long pre-tokens (DNA, minified code, base64: a line of letters is ONE GPT-2 pre-token).
 
-``train_bpe.py`` keeps each word as a Python list and finds a merged pair's occurrences by scanning the word, once
-per listed occurrence: fine for the few bytes of an ordinary word, quadratic for a word of a million bytes. Words of
-at least ``train_bpe.LONG_WORD_MIN_BYTES`` (1024) bytes come here instead and are merged with numpy:
+``train_bpe.py`` scans a word once per listed occurrence of a merged pair: quadratic for a word of a megabyte. Words
+of at least ``train_bpe.LONG_WORD_MIN_BYTES`` bytes are merged here with numpy instead:
 
-- The long words of equal count lie end to end in one array of ids (uint16 while every id fits, else uint32),
-  each after a separator (the dtype's largest value, never an id) and the last one followed by one, so no pair
-  crosses from one word into the next and every position has a left and a right neighbour.
-- A merge of (a, b) finds its occurrences in one pass: the array seen as pairs of ids (each pair one uint32, or
-  uint64) compared with the pair's code, once from an even and once from an odd start. For a == b, a run of a's
-  merges greedily from its left end, as the reference's left-to-right rewrite does. Around each occurrence,
-  (left, a) and (b, right) lose the word's count and (left, new) and (new, right) gain it; back-to-back
-  occurrences turn (b, a) into (new, new). The changes are summed per distinct pair with ``np.unique`` (a few
-  thousand at most) and returned to the trainer; the array is compacted in place.
-- ``pair_counts`` (the weighted counts of pairs inside long words) tells a merge whether to scan at all, so
-  corpora with a few long words pay only for the merges that touch them.
+- The long words of equal count lie end to end in one id array (uint16 while ids fit, else uint32), each after a
+  separator (the dtype's largest value, never an id), so no pair crosses two words.
+- A merge of (a, b) finds its occurrences by comparing the array, read as pairs of ids (one wider integer each),
+  with the pair's code from an even and an odd start. For a == b a run of a's merges from its left end, as the
+  reference does. Around each occurrence (left, a) and (b, right) lose the word's count and (left, new) and
+  (new, right) gain it; back-to-back occurrences turn (b, a) into (new, new). The changes are summed per pair
+  with ``np.unique`` and returned to the trainer; the array is compacted in place.
+- ``pair_counts`` tells a merge whether to scan at all, so a few long words cost only the merges that touch them.
 
-A merge costs a few passes over the long words in C (a few ns a symbol) plus numpy work proportional to its
-occurrences. Memory is 2 bytes a symbol (4 past 65,535 ids) plus a byte-sized mask while compacting: a 50 MB
-line needs ~200 MB, never a Python object per symbol.
+Memory is 2 bytes a symbol (4 past 65,535 ids), never a Python object per symbol.
 """
 
 from __future__ import annotations

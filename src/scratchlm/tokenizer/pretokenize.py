@@ -1,27 +1,23 @@
 """Pre-tokenization: split text on special tokens, then into pre-tokens with a split pattern.
 
-BPE never merges across a pre-token boundary, and special tokens are cut out before the regex runs, so they
-never take part in merges and no pre-token crosses them. Both the trainer and the encoder use this module.
-
-The pattern is the tokenizer's (``pipeline.py``): GPT-2's by default, or one of the named patterns below, or any
-regex. As Hugging Face's ``Split`` pre-tokenizer with behavior "Isolated" does, each match is a pre-token and so is
-each stretch of text between two matches (the named patterns match every character, so there is none).
-Sources of the named patterns (each is copied character for character):
+BPE never merges across a pre-token boundary, and special tokens are cut out before the regex runs, so no
+pre-token crosses one. The trainer and the encoder both split here. The pattern is the tokenizer's
+(``pipeline.py``): GPT-2's by default, a named one below, or any regex. As Hugging Face's ``Split`` pre-tokenizer
+with behavior "Isolated" does, each match is a pre-token and so is each stretch of text between two matches.
+The named patterns, each copied character for character from its source:
 
     gpt2    GPT-2's encoder.py (openai/gpt-2), which tiktoken calls r50k_base
     gpt4    tiktoken's cl100k_base ``pat_str`` (tiktoken_ext/openai_public.py), spelled for every regex engine
     llama3  the ``Split`` regex of Meta Llama 3's tokenizer.json: gpt4's without its end-of-text clause
     qwen2   the ``Split`` regex of Qwen2's (and Qwen3's) tokenizer.json: Llama 3's with single digits (``\\p{N}``)
 
-The named patterns share two facts the fast paths rely on (``has_known_boundaries``; docs/tokenizer-encoding.md
-gives the argument, tests check it): a space that follows a non-whitespace character always starts a pre-token,
-and so does a character right after ``X"\\n"`` where X and that character are printable ASCII; and no pre-token
-to the left of either position depends on what follows it (gpt4's end-of-text clause, which looks, matches there
-just what ``\\s*[\\r\\n]+`` matches when text follows: the whitespace up to that line end). A custom pattern is
-taken on no such trust: its text is split only at special tokens.
-
-For GPT-2's pattern only, the encoder also cuts text at spaces with ``str.split(" ")`` (far cheaper than the
-regex) and runs an ASCII spelling of the pattern through ``re``; the word helpers at the end state those facts.
+The fast paths rely on two facts of the named patterns (``has_known_boundaries``; docs/tokenizer-encoding.md gives
+the argument, tests check it): a space after a non-whitespace character always starts a pre-token, and so does a
+character right after ``X"\\n"`` where X and it are printable ASCII; and no pre-token left of either position
+depends on what follows it (gpt4's end-of-text clause matches there just what ``\\s*[\\r\\n]+`` matches when text
+follows). A custom pattern is taken on no such trust: its text is split only at special tokens.
+For GPT-2's pattern the encoder also cuts text with ``str.split(" ")`` and runs an ASCII spelling of the pattern
+through ``re``; the word helpers at the end state those facts.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ LLAMA3_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 # (``\p{N}{1,3}+``...), which splits the same (tested); but Hugging Face's regex engine reads ``{1,3}+`` as a
 # repeat and its ``$`` as the end of any line, so the end of the text is spelled ``(?![\s\S])`` (no character
 # follows), after an atomic ``(?>\s+)``: a whitespace run not at the end is given up at once, not retried one
-# character shorter each time (pre-tokenizing Python source, against Llama 3's: +8.6% backtracking, +2.8% atomic).
+# character shorter each time.
 GPT4_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"|\s*[\r\n]+", r"|(?>\s+)(?![\s\S])|\s*[\r\n]+")
 # Qwen2's (and Qwen3's): Llama 3's with single digits.
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
@@ -137,7 +133,7 @@ def split_pretokens(text: str, pattern: str = GPT2_SPLIT_PATTERN) -> list[str]:
     check in CPython)."""
     if pattern == GPT2_SPLIT_PATTERN:
         return (GPT2_ASCII_SPLIT_REGEX if text.isascii() else GPT2_SPLIT_REGEX).findall(text)
-    return _isolated(compile_pattern(pattern), text)
+    return pretokens(text, pattern)
 
 
 def _isolated(compiled: regex.Pattern, text: str) -> list[str]:
@@ -166,13 +162,11 @@ def line_start_boundary(text: str) -> int:
 
 
 def spaced_word_pieces(word: str) -> list[str]:
-    """The GPT-2 pre-tokens of " " + word, for a complete word."""
-    return [" " + word] if is_one_pretoken(word) else split_pretokens(" " + word)
-
-
-def is_one_pretoken(word: str) -> bool:
-    """Whether " " + word is one GPT-2 pre-token (`` ?\\p{L}+`` or `` ?\\p{N}+``), for the common ASCII case."""
-    return word.isascii() and (word.isalpha() or word.isdigit())
+    """The GPT-2 pre-tokens of " " + word, for a complete word (an ASCII word of letters or digits is one:
+    `` ?\\p{L}+`` or `` ?\\p{N}+``)."""
+    if word.isascii() and (word.isalpha() or word.isdigit()):
+        return [" " + word]
+    return split_pretokens(" " + word)
 
 
 def ends_in_whitespace(word: str) -> bool:

@@ -1,23 +1,12 @@
-"""Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens.
+"""Byte-level BPE Tokenizer: encode, decode, streaming encode, special tokens, chat.
 
-What encode does, in order:
-1. split the text on special tokens (at the leftmost match, the longest): a special becomes its id and is never
-   merged;
-2. pre-tokenize each ordinary piece with the tokenizer's split pattern (``pretokenize.py``; GPT-2's by default),
-   after putting it in NFC when the pipeline says so (``pipeline.py``);
-3. BPE each pre-token: repeatedly merge the adjacent pair with the lowest merge rank, leftmost on ties
-   (``bpe.bpe_merge``, ~10 lines; ``bpe.ReadableBPE`` runs steps 2 and 3 as written); with the pipeline's
-   ignore_merges, a pre-token that is one token is that token.
-
-Steps 2 and 3 are done by a ``bpe.PieceEncoder``: ``ReadableBPE`` with ``fast=False``, or by default ``CachedBPE``
-from ``tokenizer/fast/`` (caches, batch and long-piece merging; the same ids, ~12x faster on cold natural text).
-``encode_iterable`` buffers chunks and encodes everything except a *held-back tail* that more text could
-still change (see ``_split_stable_prefix``), so its output equals ``encode`` of the whole text.
-A tokenizer may carry a chat template (``chat_template.py``) and the ids that end an assistant turn: ``render_chat``
-and ``encode_chat`` render a conversation with it; ``encode`` never looks at it.
-Files live in formats/: ``folder.py`` (which files a folder holds), ``io.py`` (scratchlm's and GPT-2's formats)
-and ``hf.py`` (Hugging Face's); this module only knows vocab, merges, special tokens, the pipeline and the chat
-settings.
+``encode`` splits the text on special tokens (at the leftmost match, the longest), each of which becomes its id and
+is never merged; the ordinary pieces between them go to a ``bpe.PieceEncoder``, which pre-tokenizes them under the
+tokenizer's ``pipeline.Pipeline`` and runs BPE on each pre-token: ``bpe.ReadableBPE`` with ``fast=False``, else
+``fast.CachedBPE`` (the same ids, much faster). ``encode_stream`` buffers chunks and encodes all but a held-back
+tail that more text could still change (``_split_stable_prefix``), so its output equals ``encode`` of the whole.
+A chat template (``chat_template.py``) and the ids that end an assistant turn ride along for ``render_chat`` and
+``encode_chat``; ``encode`` never looks at them. Files are read and written by ``formats/``.
 """
 
 from __future__ import annotations
@@ -31,9 +20,8 @@ from pathlib import Path
 from scratchlm.errors import UserError
 from scratchlm.tokenizer.bpe import PieceEncoder, ReadableBPE, merge_table
 from scratchlm.tokenizer.chat_template import CHATML_END, CHATML_START, CHATML_TEMPLATE, ChatTemplate
-from scratchlm.tokenizer.formats.added_tokens import FlagsByToken, checked_flags
 from scratchlm.tokenizer.formats.hf import EOS_TOKEN
-from scratchlm.tokenizer.formats.io import invert_vocab
+from scratchlm.tokenizer.formats.io import FlagsByToken, checked_flags, invert_vocab
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.tokenizer.pretokenize import (
     has_known_boundaries,
@@ -56,7 +44,7 @@ class Tokenizer:
 
     ``fast=True`` (the default) encodes through ``tokenizer/fast/`` (caches of at most ``cache_size`` entries);
     ``fast=False`` through ``bpe.ReadableBPE``, the plain rule: the same ids, for reading and testing.
-    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/added_tokens.py``): they
+    ``added_token_flags`` keeps how a Hugging Face file marked some special tokens (``formats/io.py``): they
     change no id, only the tokenizer.json that ``save`` writes.
     ``chat_template`` (a ``ChatTemplate`` whose named tokens are special tokens of this tokenizer, or None) renders a
     conversation as text (``render_chat``); ``end_of_turn_ids`` are the ids that end an assistant turn (ChatML's
@@ -83,8 +71,14 @@ class Tokenizer:
         self._max_special_prefix = max((len(p) for p in self._special_prefixes), default=0)
         self._cache_size = cache_size
         self.fast = fast
-        self._bpe = _piece_encoder(merge_table(self.merges, self._bytes_to_id), self._byte_ids, pipeline,
-                                   self._ordinary_tokens() if pipeline.ignore_merges else None, fast, cache_size)
+        table = merge_table(self.merges, self._bytes_to_id)
+        tokens = self._ordinary_tokens() if pipeline.ignore_merges else None
+        if fast:  # imported only when asked for: it brings numpy
+            from scratchlm.tokenizer.fast import CachedBPE
+
+            self._bpe: PieceEncoder = CachedBPE(table, self._byte_ids, cache_size, pipeline, tokens)
+        else:
+            self._bpe = ReadableBPE(table, self._byte_ids, pipeline, tokens)
         self._hash: str | None = None
         self.chat_template, self.end_of_turn_ids = self._checked_chat(chat_template, end_of_turn_ids)
 
@@ -202,15 +196,9 @@ class Tokenizer:
     @property
     def hash(self) -> str:
         """sha256 hex digest of the canonical (vocab, merges, special tokens, pipeline); token files and runs record
-        it.
-
-        Of the content, never of a file: a tokenizer read from any file that holds it exactly (whatever its name
-        or format) has this hash, so a file's new name or format never changes a recorded identity. GPT-2's
-        pipeline adds no line, so the hashes recorded before pipelines existed keep their meaning.
-
-        The chat template and end-of-turn ids are not in it: they change no id of any text, so token files encoded
-        before a template was attached (or changed) are still this tokenizer's. (``with_chatml`` adds special
-        tokens, which are in it: that is another vocabulary.)"""
+        it. Of the content, never of a file, so a file's name or format never changes a recorded identity; GPT-2's
+        pipeline adds no line, so hashes recorded before pipelines existed keep their meaning. The chat template and
+        end-of-turn ids change no id of any text and are not in it (``with_chatml``'s new special tokens are)."""
         if self._hash is None:
             vocab = self.vocab
             lines = [f"v{token_id}:{vocab[token_id].hex()}\n" for token_id in sorted(vocab)]
@@ -241,10 +229,7 @@ class Tokenizer:
                 "end_of_turn_ids": self.end_of_turn_ids}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"], pipeline=state["pipeline"],
-                      fast=state["fast"], cache_size=state["cache_size"],
-                      added_token_flags=state["added_token_flags"], chat_template=state.get("chat_template"),
-                      end_of_turn_ids=state.get("end_of_turn_ids", ()))
+        self.__init__(**state)
 
     # ------------------------------------------------------------------ encoding
     def clear_cache(self) -> None:
@@ -306,35 +291,32 @@ class Tokenizer:
 
     def _encode_text(self, text: str) -> list[int]:
         ids: list[int] = []
-        for piece, is_special in split_on_special_tokens(text, self._special_regex):
+        self._encode_pieces(split_on_special_tokens(text, self._special_regex), ids)
+        return ids
+
+    def _encode_pieces(self, pieces: Iterable[tuple[str, bool]], ids: list[int]) -> None:
+        """Append the ids of (piece, is_special) pairs, as ``split_on_special_tokens`` yields them, to ids."""
+        for piece, is_special in pieces:
             if is_special:
                 ids.append(self._special_ids[piece])
             else:
                 self._bpe.encode(piece, ids)
-        return ids
 
     def _split_stable_prefix(self, buffer: str) -> tuple[list[int], str]:
         """Encode the part of buffer that no later text can change; return (its ids, the held-back rest).
 
-        Held back: (1) a tail that is a proper prefix of a special token (more text may complete it, or make a
-        longer special match), and (2) the end of the last ordinary piece: from its last space that follows a
-        non-whitespace character (a boundary no later text can move, as in ``CachedBPE.encode``), or, when it
-        has none, with GPT-2's pipeline, the final pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters:
-        a match ending earlier was decided by characters already present (e.g. GPT-2's ``\\s+(?!\\S)`` gives
-        trailing spaces away to the next word only once that word arrives). Another named pattern, or NFC,
-        falls back instead to the last line start between printable ASCII characters (``X"\\n"Y``), and a custom
-        pattern holds the whole piece back (its text is cut only at special tokens).
+        Held back: a tail that is a proper prefix of a special token (more text may complete it), and the end of
+        the last ordinary piece from its ``_stable_boundary``; without one, with GPT-2's pipeline, the final
+        pre-tokens covering its last ``_LOOKAHEAD_CHARS`` characters (an earlier match was decided by characters
+        already present: ``\\s+(?!\\S)`` gives trailing spaces to the next word only once it arrives), and with
+        any other pipeline the whole piece.
         """
         cut = len(buffer) - self._partial_special_length(buffer)
         head, pending = buffer[:cut], buffer[cut:]
         pieces = list(split_on_special_tokens(head, self._special_regex))
         open_piece = pieces.pop()[0] if pieces and not pieces[-1][1] else ""
         ids: list[int] = []
-        for piece, is_special in pieces:
-            if is_special:
-                ids.append(self._special_ids[piece])
-            else:
-                self._bpe.encode(piece, ids)
+        self._encode_pieces(pieces, ids)
         boundary = self._stable_boundary(open_piece)
         if boundary > 0:
             self._bpe.encode(open_piece[:boundary], ids)
@@ -352,7 +334,9 @@ class Tokenizer:
 
     def _stable_boundary(self, text: str) -> int:
         """A position in text where a pre-token starts whatever follows text, and nothing before it depends on
-        what comes after (so is NFC: the character there is ASCII); 0 when none is known."""
+        what comes after (so is NFC: the character there is ASCII); 0 when none is known. For a named pattern: the
+        last space after a non-whitespace character, else (unless the pipeline ``splits_like_gpt2``) the last line
+        start between printable ASCII characters (``X"\\n"Y``); a custom pattern has none."""
         if not has_known_boundaries(self.pipeline.pattern):
             return 0
         boundary = last_space_boundary(text)
@@ -414,16 +398,6 @@ class Tokenizer:
             if plain and self._bytes_to_id[data] == special:
                 self._bytes_to_id[data] = min(plain)
         return special_ids
-
-
-def _piece_encoder(table: dict[tuple[int, int], tuple[int, int]], byte_ids: list[int], pipeline: Pipeline,
-                   tokens: dict[bytes, int] | None, fast: bool, cache_size: int) -> PieceEncoder:
-    """The fast encoder, imported only when asked for (it brings numpy), or the readable one."""
-    if not fast:
-        return ReadableBPE(table, byte_ids, pipeline, tokens)
-    from scratchlm.tokenizer.fast import CachedBPE
-
-    return CachedBPE(table, byte_ids, cache_size, pipeline, tokens)
 
 
 def _is_known_id(vocab: dict[int, bytes], token_id: object) -> bool:

@@ -1,29 +1,20 @@
-"""Fast byte-level BPE training with incremental merges.
+"""Fast byte-level BPE training with incremental merges, tested equal to ``bpe.reference_train_from_counts``.
 
 Phase 1 (``training_inputs.py``, ``counting.py``) reduces the corpus to counts of distinct pre-tokens ("words").
 Phase 2, here, learns the merges on those words without ever rescanning the corpus:
 
-* each word is a list of token ids (rewritten in place) with its count; ``pair_counts`` holds the weighted
-  count of every adjacent pair and ``where`` maps a pair to a list of the indices of the words that (may)
-  contain it. The index is lazy: a word stays listed under pairs it lost, and is listed once per occurrence,
-  since a list append is much cheaper than keeping exact sets, and a stale entry costs one ``list.count``;
-* a merge rewrites only the words listed under the merged pair, and changes only the counts of pairs in
-  those words, by the difference between their old and new pairs (so the cost of a merge is proportional to
-  the words it touches, never to the corpus);
-* the best pair comes from a heap whose entries sort by (count descending, pair bytes descending), the exact
-  tie rule: among equally frequent pairs the lexicographically greater ``(bytes_a, bytes_b)`` wins. Python's
-  heapq is a min-heap, so the bytes part of the key is inverted (see ``_descending_key``). Entries are lazy
-  upper bounds: a count that grows pushes a fresh entry; a count that shrinks is corrected only when its
-  stale entry reaches the top. The top entry whose stored count is current is therefore the true best pair.
+* each word is a list of token ids (rewritten in place) with its count; ``pair_counts`` holds the weighted count
+  of every adjacent pair and ``where`` maps a pair to the indices of the words that (may) hold it. The index is
+  lazy: a word stays listed under pairs it lost, once per occurrence (an append is cheaper than exact sets);
+* a merge rewrites only the words listed under the merged pair and moves only the counts of pairs around its
+  occurrences, so its cost is proportional to the words it touches, never to the corpus;
+* the best pair comes from a heap keyed by (count descending, pair bytes descending), the reference's tie rule
+  (``_descending_key`` inverts the bytes for Python's min-heap). Entries are lazy upper bounds: a count that grows
+  pushes a fresh entry, one that shrinks is corrected when its stale entry reaches the top.
 
-Words of at least ``LONG_WORD_MIN_BYTES`` bytes (a line of DNA or base64 is one pre-token) would make this
-quadratic: they are merged by ``long_words.py`` with numpy instead, into the same ``pair_counts``.
-
-Token identity is by bytes, as in the reference trainer: if a merge produces bytes that an earlier token
-already has, the words reuse that token's id (the vocab still gets a new entry, as the merge list implies).
-
-Vocab layout: ids 0..255 are the single bytes, then the special tokens in the given order, then one id per
-merge in creation order. ``vocab_size`` counts all of them.
+Words of at least ``LONG_WORD_MIN_BYTES`` bytes (a line of DNA is one pre-token) would make this quadratic: they
+are merged by ``long_words.py`` with numpy, into the same ``pair_counts``. As in the reference, tokens are bytes: a
+merge whose bytes an earlier token has reuses that token's id in the words (the vocab still gets a new entry).
 """
 
 from __future__ import annotations
@@ -94,17 +85,12 @@ def train_bpe_from_counts(
         elif len(encoded) > 1:  # a single byte has no pair to merge
             words.append(list(encoded))
             counts.append(count)
-    merges = _learn_merges(words, counts, _long_words(long_words, vocab_size), vocab, vocab_size - len(vocab), progress)
-    return vocab, merges
+    long_merger = None
+    if long_words:  # numpy is imported only then
+        from scratchlm.tokenizer.long_words import LongWords
 
-
-def _long_words(words: dict[bytes, int], id_limit: int) -> LongWords | None:
-    """The numpy path for long words, if there are any (numpy is imported only then: ~0.1 s and ~20 MB a process)."""
-    if not words:
-        return None
-    from scratchlm.tokenizer.long_words import LongWords
-
-    return LongWords(words, id_limit)
+        long_merger = LongWords(long_words, vocab_size)
+    return vocab, _learn_merges(words, counts, long_merger, vocab, vocab_size - len(vocab), progress)
 
 
 def _count_pairs(words: list[list[int]], counts: list[int]) -> tuple[dict, dict]:

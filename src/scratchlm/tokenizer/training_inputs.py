@@ -1,25 +1,15 @@
 """What BPE training reads: pre-token counts of every input ``data/sources.py`` knows.
 
 ``count_input_pretokens`` expands the inputs (files, folders, globs, ``hf:`` datasets, as ``data encode`` takes
-them) and counts each source the fastest way that gives the same counts:
+them) and counts each source the fastest way that gives the same counts: plain text files by ``counting.py``'s
+byte ranges; everything else as a stream of documents read by ``sources.py``, each counted on its own (so no
+pre-token spans two documents, as an ``<|endoftext|>`` between them ensures in a text file). A compressed text file
+is one text, re-cut by ``safe_parts`` where the pre-tokenization is already cut.
 
-* plain text files take ``counting.py``'s byte-range path (cut at safe byte offsets, counted in parallel);
-* everything else is a stream of documents, read in order by ``sources.py``, which names a bad record by file and
-  line or row and holds one record at a time. Each document is counted on its own, so no pre-token spans two
-  documents: what an ``<|endoftext|>`` special token between them does in a text file;
-* a compressed text file is one text, not a list of documents: ``safe_parts`` re-cuts its stream of text where
-  the pre-tokenization of the whole is already cut, so its counts are those of the same file uncompressed, with
-  or without end-of-text tokens, and no part needs the whole file in memory (for a custom split pattern, whose
-  safe cuts are unknown, the file is one part).
-
-The stream is grouped into batches of about ``BATCH_CHARS`` characters. The first batch is counted in this
-process; only when a second follows do worker processes take over, at most ``IN_FLIGHT_PER_WORKER`` batches each
-ahead of the reader, so memory stays bounded whatever the corpus size and a small input never forks. A bad record
-is found by the reader, in this process, so the stream stops at its first one.
-
-Inputs that are all plain text files go straight to ``counting.py`` without importing ``sources.py``: its readers
-(pathlib, dataclasses, json, gzip) would be a noticeable share of a short training run's start-up. So
-``NOT_PLAIN_TEXT_SUFFIXES`` repeats which names ``sources.py`` reads otherwise; a test keeps the two in step.
+The stream goes in batches of about ``BATCH_CHARS`` characters: the first is counted in this process, and only when
+a second follows do worker processes take over, at most ``IN_FLIGHT_PER_WORKER`` batches each ahead of the reader.
+Inputs that are all plain text files skip importing ``sources.py`` (its readers slow a short run's start-up), so
+``NOT_PLAIN_TEXT_SUFFIXES`` repeats which names it parses; a test keeps the two in step.
 """
 
 from __future__ import annotations

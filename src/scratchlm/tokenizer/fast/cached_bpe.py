@@ -1,23 +1,18 @@
 """Byte-level BPE of ordinary text (no special tokens) through two bounded caches: the fast ``PieceEncoder``.
 
-It gives the ids of ``bpe.ReadableBPE`` (the pipeline's NFC and split pattern, then ``bpe.bpe_merge`` per
-pre-token, or a whole token with ignore_merges), faster. With GPT-2's pattern:
+It gives the ids of ``bpe.ReadableBPE``, faster. With GPT-2's pattern:
 
-- Text is cut with ``str.split(" ")`` into words, and the hot loop is one dict lookup per word in a bounded
-  *word -> ids cache* plus a ``list.extend``: a space after a non-whitespace character always starts a new
-  GPT-2 pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). Cache misses and
-  whitespace runs go through the GPT-2 regex and a bounded *pre-token -> ids cache*. Natural text repeats a few
-  thousand words, so most lookups hit, and the regex (15-20 MB/s alone) runs on a fraction of the text.
-- A cache miss runs *rank-based* BPE on the pre-token's bytes (``merge.py``: ``bpe.bpe_merge``'s rule with a
-  C-level scan, or a heap for long pieces). Many new words at once (a cold cache: the first megabytes of a
-  corpus) are learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``.
-  A pre-token of a megabyte or more (a line of DNA or base64) is merged by ``long_merge.py`` in bounded memory,
-  its ids yielded a chunk at a time and never cached.
+- Text is cut with ``str.split(" ")`` into words: a space after a non-whitespace character always starts a GPT-2
+  pre-token, so " " + word encodes on its own (``CachedBPE.encode`` says when). The hot loop is one lookup per word
+  in a bounded *word -> ids cache* plus a ``list.extend``; misses and whitespace runs go through the GPT-2 regex
+  and a bounded *pre-token -> ids cache*. Natural text repeats a few thousand words, so most lookups hit.
+- A miss runs rank-based BPE on the pre-token's bytes (``merge.py``). Many new words at once (a cold cache) are
+  learned together (``learn_words``), their distinct pre-tokens merged at once by ``batch_merge.py``. A pre-token
+  of a megabyte or more is merged by ``long_merge.py`` in bounded memory, its ids yielded a chunk at a time and
+  never cached.
 
-With any other pattern the GPT-2 facts behind ``str.split(" ")`` and the ASCII regex are not assumed: the text goes
-through the pattern whole (``pretokenize.split_pretokens``) and each pre-token through the pre-token cache; a block
-of mostly new pre-tokens is merged at once (``learn_pretokens``). About half the GPT-2 path's speed on natural text
-(the regex runs on all of it), and the same ids by construction.
+Any other pattern takes no GPT-2 shortcut: the pattern splits the whole text (``pretokenize.split_pretokens``) and
+each pre-token goes through the pre-token cache; a block of mostly new ones is merged at once (``learn_pretokens``).
 """
 
 from __future__ import annotations
@@ -139,12 +134,7 @@ class CachedBPE:
             if not pieces:
                 return
             ids, counts = self._merge_pieces(list(map(str.encode, pieces)))
-            flat = ids.tolist()
-            ends = np.cumsum(counts).tolist()
-            cache = self.pretoken_cache
-            if len(cache) + len(pieces) > self._cache_size:
-                cache.clear()
-            cache.update(zip(pieces, [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]))
+            self._remember(self.pretoken_cache, pieces, _split_runs(ids.tolist(), counts))
 
     def encode_pretokens(self, pretokens: list[str], out: list[int]) -> None:
         """Append the ids of each pre-token to out, through the pre-token cache."""
@@ -175,10 +165,7 @@ class CachedBPE:
             if not pieces:
                 return
             ids = self._merge_words(pieces, np.concatenate(first_pieces))
-            cache = self.word_cache
-            if len(cache) + len(ids) > self._cache_size:
-                cache.clear()
-            cache.update(zip(chain.from_iterable(group for group, _ in groups), ids))
+            self._remember(self.word_cache, list(chain.from_iterable(group for group, _ in groups)), ids)
 
     def _merge_words(self, pieces: list[str], first_pieces: np.ndarray) -> list[tuple[int, ...]]:
         """The ids of each word, given its pre-tokens (``pieces`` from ``first_pieces[i]`` to the next word's)."""
@@ -188,8 +175,7 @@ class CachedBPE:
         ids, counts = self._merge_pieces(list(map(str.encode, distinct)))
         piece_counts = counts[piece_index]
         flat = take_runs(ids, run_starts(counts)[piece_index], piece_counts).tolist()
-        ends = np.cumsum(np.add.reduceat(piece_counts, first_pieces)).tolist()
-        return [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]
+        return _split_runs(flat, np.add.reduceat(piece_counts, first_pieces))
 
     def _merge_pieces(self, encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(ids end to end, the number of ids of each) of pre-tokens given as bytes, merged at once; with
@@ -215,9 +201,7 @@ class CachedBPE:
         ids: list[int] = []
         self.encode_pretokens(spaced_word_pieces(word), ids)
         result = tuple(ids)
-        if len(self.word_cache) >= self._cache_size:
-            self.word_cache.clear()
-        self.word_cache[word] = result
+        self._remember(self.word_cache, [word], [result])
         return result
 
     def _batch_merger(self) -> BatchMerger:
@@ -236,11 +220,15 @@ class CachedBPE:
         if len(piece) > _MAX_CACHED_CHARS:  # not cached; a long piece's ids may come as a one-pass iterator
             return ids
         ids = tuple(ids)
-        cache = self.pretoken_cache
-        if len(cache) >= self._cache_size:
-            cache.clear()  # bounded memory; natural text refills the frequent pieces at once
-        cache[piece] = ids
+        self._remember(self.pretoken_cache, [piece], [ids])
         return ids
+
+    def _remember(self, cache: dict, keys: list[str], ids: list[tuple[int, ...]]) -> None:
+        """Put keys -> ids into cache, clearing it first when it would pass cache_size (bounded memory; natural text
+        refills the frequent entries at once)."""
+        if len(cache) + len(keys) > self._cache_size:
+            cache.clear()
+        cache.update(zip(keys, ids))
 
     def _encode_piece(self, piece: str) -> Iterable[int]:
         """BPE of one pre-token (raises UnicodeEncodeError for lone surrogates): a tuple, or for a piece of at least
@@ -263,6 +251,12 @@ def _mostly_missing(keys: list[str], cache: dict) -> bool:
         return False
     sample = islice(keys, 1, _BATCH_SAMPLE + 1)
     return sum(key not in cache for key in sample) * _BATCH_MIN_MISS_RATE >= _BATCH_SAMPLE
+
+
+def _split_runs(flat: list[int], counts: np.ndarray) -> list[tuple[int, ...]]:
+    """flat cut into tuples of counts[0], counts[1], ... ids."""
+    ends = np.cumsum(counts).tolist()
+    return [tuple(flat[start:end]) for start, end in zip([0, *ends], ends)]
 
 
 def _lengths(encoded: list[bytes]) -> np.ndarray:

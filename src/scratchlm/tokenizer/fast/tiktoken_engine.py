@@ -5,12 +5,10 @@
 special tokens are cut out by our regex, and ``encode_stream`` holds back the same tails. So
 ``scratchlm data encode --engine tiktoken`` runs the same pipeline with a native piece encoder, in every worker.
 
-Where it wins: large, varied corpora. ``CachedBPE`` is as fast as tiktoken on text that repeats a small
-vocabulary (TinyStories), but learns every new word in Python: on web text (the OpenWebText sample) one process
-encodes ~7 MB/s against tiktoken's ~20 MB/s (docs/tokenizer-encoding.md). Where it does not: a small corpus
-(building the encoding and its checks take about a second for 50,000 merges) and megabyte-long pre-tokens (a line of DNA
-or base64), which tiktoken merges holding per-byte state for the whole piece while ``long_merge.py`` works in
-bounded memory. It needs the optional package: ``pip install 'scratchlm[fast]'``.
+Where it wins: large, varied corpora, where ``CachedBPE`` learns every new word in Python (speeds:
+docs/tokenizer-encoding.md). Where it does not: a small corpus (building the encoding and its checks takes a
+while) and megabyte-long pre-tokens, which tiktoken merges with per-byte state for the whole piece while
+``long_merge.py`` works in bounded memory. It needs ``pip install 'scratchlm[fast]'``.
 
 Why the ids are ours. tiktoken has no merge list: ``mergeable_ranks`` maps a token's bytes to a rank, which is
 also the id it outputs, and its BPE merges the adjacent pair whose *concatenated bytes* have the lowest rank
@@ -147,8 +145,8 @@ def _check_merge_order(merges: list[tuple[bytes, bytes]], ranks: dict[bytes, int
 
 
 def _check_tokens_make_themselves(merges: list[tuple[bytes, bytes]], ranks: dict[bytes, int]) -> None:
-    """Condition 3: our BPE of each multi-byte token's bytes is that token. The tokens are merged all at once by
-    ``batch_merge.py`` (GPT-2's 50,000 in ~0.2 s, 6x faster than one by one)."""
+    """Condition 3: our BPE of each multi-byte token's bytes is that token (all merged at once by
+    ``batch_merge.py``)."""
     tokens = [data for data in ranks if len(data) > 1]
     if not tokens:
         return

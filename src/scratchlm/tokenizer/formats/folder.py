@@ -5,22 +5,13 @@
     scratchlm-tokenizer.json   scratchlm's own format (io.py): exact for any vocab; load reads it first
     tokenizer.json             Hugging Face's (hf.py), + tokenizer_config.json: for `tokenizers` and
                                `transformers.AutoTokenizer`
-    vocab.json + merges.txt    GPT-2's (io.py): for tools that read GPT-2 files; no special tokens, and only
-                               for GPT-2's pipeline (the files name none, and every reader splits them as GPT-2)
+    vocab.json + merges.txt    GPT-2's (io.py): no special tokens, and only for GPT-2's pipeline
 
-A format that cannot hold the tokenizer exactly (say two ids with the same bytes) is left out with a warning
-rather than written wrong, and stale files of that format are removed: scratchlm-tokenizer.json always holds
-the whole tokenizer. (The GPT-2 pair of a tokenizer with another pipeline is left out without a warning: by design.)
-
-``load`` reads the first of: scratchlm-tokenizer.json; tokenizer.json, which is either scratchlm's format (the
-name it had before Hugging Face's file took it: those folders keep loading) or a Hugging Face byte-level BPE
-tokenizer (a folder from the Hub, or from another library); the GPT-2 pair. The files' names never enter a
-tokenizer's identity: ``Tokenizer.hash`` is of its vocab, merges, special tokens and pipeline, whichever file they
-came from.
-
-A chat template and end-of-turn ids (``chat_template.py``) are kept in scratchlm-tokenizer.json and written to
-tokenizer_config.json; from a Hugging Face folder they are read from its tokenizer_config.json (or
-chat_template.jinja). Neither enters the hash: they change no id of any text.
+A format that cannot hold the tokenizer exactly (say two ids with the same bytes) is left out with a warning, and
+its stale files are removed. ``load`` reads the first of: scratchlm-tokenizer.json; tokenizer.json, which is
+scratchlm's format (the name it had before) or a Hugging Face byte-level BPE tokenizer, whose chat template is read
+from tokenizer_config.json or chat_template.jinja beside it; the GPT-2 pair. File names never enter
+``Tokenizer.hash``.
 """
 
 from __future__ import annotations
@@ -29,7 +20,6 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from scratchlm.tokenizer.formats.added_tokens import FlagsByToken
 from scratchlm.tokenizer.formats.hf import (
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
@@ -44,15 +34,14 @@ from scratchlm.tokenizer.formats.io import (
     NO_CHAT,
     SCRATCHLM_FILE,
     ChatParts,
+    FlagsByToken,
     FormatCannotHold,
     Merges,
     Vocab,
     is_scratchlm_document,
     parse_scratchlm,
-    parse_scratchlm_chat,
     read_gpt2_files,
     read_json,
-    read_scratchlm_file,
     write_gpt2_files,
     write_scratchlm_file,
 )
@@ -74,7 +63,7 @@ def read_tokenizer_dir(directory: str | Path) -> TokenizerParts:
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
     if (directory / SCRATCHLM_FILE).exists():
-        return read_scratchlm_file(directory / SCRATCHLM_FILE)
+        return parse_scratchlm(read_json(directory / SCRATCHLM_FILE), directory / SCRATCHLM_FILE)
     if (directory / HF_TOKENIZER_FILE).exists():
         document = read_json(directory / HF_TOKENIZER_FILE)
         if is_hf_document(document):  # its chat template is in the files beside it
@@ -105,7 +94,7 @@ def read_tokenizer_files(vocab_path: str | Path, merges_path: str | Path | None)
 
 def _parse_single_file(document: object, path: Path) -> TokenizerParts:
     if is_scratchlm_document(document):
-        return *parse_scratchlm(document, path), parse_scratchlm_chat(document, path)
+        return parse_scratchlm(document, path)
     if is_hf_document(document):
         return *parse_hf_tokenizer(document, path), NO_CHAT
     raise ValueError(f"{path}: expected a scratchlm tokenizer (a JSON object with format_version) or a Hugging Face "

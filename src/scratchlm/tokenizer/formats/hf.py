@@ -1,39 +1,25 @@
 """Hugging Face's ``tokenizer.json`` (+ ``tokenizer_config.json``): writing ours, reading byte-level BPE ones.
 
-A tokenizer.json (documented with HF ``tokenizers``' serialization) describes a pipeline: added tokens, a
-normalizer, a pre-tokenizer, a model, a decoder. Ours is written as plain JSON (no ``tokenizers`` or
-``transformers`` needed to save), from the tokenizer's ``pipeline.Pipeline``::
+A tokenizer.json describes a pipeline. Ours is written as plain JSON (no ``tokenizers`` needed), from the
+tokenizer's ``pipeline.Pipeline``::
 
-    added_tokens   our special tokens, matched on the raw text before anything else, each with its id and its
-                   special and normalized flags (added_tokens.py: special true, normalized false unless read so)
-    normalizer     null: the text is not changed; or NFC
-    pre_tokenizer  GPT-2's pattern: ByteLevel with use_regex (the GPT-2 split pattern, as ours in pretokenize.py)
-                   and no prefix space. Any other pattern: a Sequence of Split (the pattern as a Regex, behavior
-                   Isolated, not inverted) then ByteLevel without use_regex or prefix space, as Llama 3 and Qwen2
-                   write theirs
-    model          BPE: "vocab" {token: id} and "merges" ["left right", ...] in rank order, both spelled in
-                   GPT-2's byte alphabet (io.to_gpt2_string); a special token is in the vocab under its own text;
-                   ignore_merges as the pipeline says
-    decoder        ByteLevel: the alphabet back to bytes, then UTF-8
+    added_tokens   our special tokens, matched on the raw text first, with their ids and flags (io.AddedTokenFlags)
+    normalizer     null, or NFC
+    pre_tokenizer  GPT-2's pattern: ByteLevel with use_regex and no prefix space. Any other: a Sequence of Split
+                   (the pattern as a Regex, behavior Isolated) then ByteLevel without regex, as Llama 3 and Qwen2
+    model          BPE: "vocab" {token: id} and "merges" ["left right", ...] in rank order, spelled in GPT-2's byte
+                   alphabet (a special token under its own text); ignore_merges as the pipeline says
+    decoder        ByteLevel
 
-HF loads added tokens by their text, not by the ids written beside them: one already in the model's vocab keeps
-that id, any other gets the next id after the vocab. So each special token sits in the vocab at its id, and
-every id needs a string of its own there: two ids with the same bytes, or a special token spelled like another
-token's GPT-2 string, have no exact tokenizer.json (``FormatCannotHold``). ``tokenizer_config.json`` tells
-``transformers.AutoTokenizer`` which class to build and which token ends a text, and holds the chat template
-(``"chat_template"``, with the template's named tokens as ``bos_token``, ``eos_token`` ...), so that
-``apply_chat_template`` works on a saved folder. A folder's ``chat_template.jinja`` (transformers 5 writes the
-template there, and reads it before tokenizer_config.json) is read the same way, and removed when we write, so a
-stale one never overrides ours.
+HF loads added tokens by their text, not by the ids beside them, so every id needs a string of its own in the
+vocab: two ids with the same bytes have no exact tokenizer.json (``FormatCannotHold``). ``tokenizer_config.json``
+names the class AutoTokenizer builds, the end-of-text token and the chat template with its named tokens; a stale
+``chat_template.jinja`` (which transformers 5 reads first) is removed when we write.
 
-Reading accepts the tokenizer.json files our encoder matches id for id: a BPE model (ignore_merges or not), one
-of the two pre-tokenizers above with no prefix space (so GPT-2's, GPT-4-style, Llama 3's and Qwen2's files), no
-normalizer or NFC, and added tokens (special or not) matched as our special tokens are: on the raw text, at the
-leftmost match the longest, as HF's added vocabulary does. Anything else is ``UnsupportedHFTokenizer``, naming the
-setting and its value (a WordPiece model, a Metaspace pre-tokenizer, an NFKC normalizer, byte_fallback...); a file
-that is malformed is a ValueError naming the file and what is wrong. Our ids are those of HF's
-``encode(text, add_special_tokens=False)``: a post-processor (Llama 3 puts <|begin_of_text|> first) is not ours
-to run.
+Reading accepts the files our encoder matches id for id (those two pre-tokenizers without prefix space, no
+normalizer or NFC, added tokens matched as ours are); anything else is ``UnsupportedHFTokenizer`` naming the
+setting, and a malformed file a ValueError naming the file. Our ids are those of HF's ``encode(text,
+add_special_tokens=False)``: a post-processor is not ours to run.
 """
 
 from __future__ import annotations
@@ -43,10 +29,12 @@ import re
 from pathlib import Path
 
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
-from scratchlm.tokenizer.formats.added_tokens import OURS, AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.formats.io import (
     NO_CHAT,
+    OURS,
+    AddedTokenFlags,
     ChatParts,
+    FlagsByToken,
     FormatCannotHold,
     Merges,
     Vocab,
@@ -86,7 +74,7 @@ def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_to
 def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str],
                           pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> dict:
     """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included);
-    added_token_flags are the flags of those special tokens whose flags are not ``added_tokens.OURS``."""
+    added_token_flags are the flags of those special tokens whose flags are not ``io.OURS``."""
     special_ids = _special_ids(vocab, special_tokens)
     _check_no_merge_spells_a_special(vocab, merges, special_ids)
     flags = added_token_flags or {}
@@ -185,7 +173,7 @@ def parse_hf_tokenizer(document: dict, path: Path) -> tuple[Vocab, Merges, list[
     (``is_hf_document``).
 
     The added tokens become our special tokens, in the file's order (so a file we wrote reads back with the same
-    ``Tokenizer.hash``), their special and normalized flags kept (added_tokens.py); their bytes are their text,
+    ``Tokenizer.hash``), their special and normalized flags kept (io.AddedTokenFlags); their bytes are their text,
     every other token's bytes its GPT-2 spelling."""
     pipeline = read_pipeline(document, path)
     model = document["model"]
@@ -218,8 +206,10 @@ def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
     if isinstance(source, list):  # an older layout of several named templates: [{"name": ..., "template": ...}]
         source = next((entry.get("template") for entry in source
                        if isinstance(entry, dict) and entry.get("name") == "default"), None)
+    where = config_path  # the file the template came from
     if (directory / HF_TEMPLATE_FILE).is_file():
-        source = (directory / HF_TEMPLATE_FILE).read_text(encoding="utf-8")
+        where = directory / HF_TEMPLATE_FILE
+        source = where.read_text(encoding="utf-8")
     if source is None:
         return NO_CHAT
     if not isinstance(source, str):
@@ -228,7 +218,6 @@ def read_hf_chat(directory: Path, vocab: Vocab) -> ChatParts:
     try:
         template = ChatTemplate(source, **tokens)
     except ValueError as error:  # a template that does not compile
-        where = directory / HF_TEMPLATE_FILE if (directory / HF_TEMPLATE_FILE).is_file() else config_path
         raise ValueError(f"{where}: {error}") from None
     ids = invert_vocab(vocab)
     eos = tokens["eos_token"]

@@ -1,8 +1,7 @@
 """Tokenizer files, one format each: scratchlm's own ``scratchlm-tokenizer.json`` and GPT-2's ``vocab.json`` +
-``merges.txt``. (Hugging Face's ``tokenizer.json`` is in ``hf.py``; which files a folder holds and the
-order ``load`` reads them in is ``folder.py``.)
+``merges.txt``; and what every format shares (the added-token flags of Hugging Face files, ``FormatCannotHold``).
 
-scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab entry and one merge per line::
+scratchlm format, exact and byte-safe, one vocab entry and one merge per line::
 
     {"format_version": 2,
      "vocab": ["<hex bytes of id 0>", "<hex bytes of id 1>", ..., null where an id is unused],
@@ -10,43 +9,29 @@ scratchlm format (``scratchlm-tokenizer.json``), exact and byte-safe, one vocab 
                 ...],
      "special_tokens": ["<|endoftext|>", ...]}
 
-A tokenizer whose pipeline (``pipeline.py``) is not GPT-2's is written as version 3, which adds its three settings
-after the special tokens: ``"pattern": "<split regex>", "normalizer": null or "NFC", "ignore_merges": false or
-true``. One with GPT-2's pipeline is still written as version 2, so an older scratchlm reads it, and refuses (as an
-unknown version) a version 3 file that it would otherwise split with the wrong pattern.
+Version 3 is written only for a pipeline (``pipeline.py``) other than GPT-2's, and adds ``"pattern"``,
+``"normalizer"`` (null or "NFC") and ``"ignore_merges"``: an older scratchlm refuses it rather than split with the
+wrong pattern. Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex
+strings. Three optional keys change no id, so they need no new version: ``"chat_template"`` (``{"source":
+"<Jinja2>", "bos_token": ...}``), ``"end_of_turn"`` (ids) and ``"added_token_flags"`` (below). Folders saved before
+Hugging Face's file took the name hold this format as ``tokenizer.json`` (``folder.py`` tells the two apart).
 
-Folders saved before the Hugging Face file was written beside it hold this format under the name
-``tokenizer.json``; ``folder.py`` still reads them (the ``format_version`` key tells the two apart).
-Version 1 (still read) spelled the vocab ``{"<id>": "<hex bytes>"}`` and each merge as two hex byte strings;
-version 2 holds each token's bytes once and reads in about half the time (GPT-2's 50k merges: ~0.03 s less).
+GPT-2 format: ``vocab.json`` maps printable strings to ids and ``merges.txt`` lists ``left right`` per line after a
+``#version`` header, bytes spelled through GPT-2's byte <-> unicode table; it has no special tokens.
 
-A tokenizer that carries a chat template (``chat_template.py``) adds ``"chat_template": {"source": "<Jinja2>",
-"bos_token": ..., "eos_token": ..., ...}`` (its named tokens, those set) and ``"end_of_turn": [<id>, ...]`` (the
-ids that end an assistant turn). Like the flags below, they change no id of any text, so they need no new version:
-an older scratchlm ignores them and encodes the same.
-
-A file of any version may end with ``"added_token_flags": {"<special token>": {"special": false, "normalized":
-true}, ...}``, written only for a tokenizer read from a Hugging Face file that marks some added tokens so
-(``added_tokens.py``). The flags change no id, so the key needs no new version: an older scratchlm ignores it and
-encodes the same.
-
-GPT-2 format: ``vocab.json`` maps *printable* strings to ids and ``merges.txt`` lists ``left right`` per line
-after a ``#version`` header; bytes become printable characters through GPT-2's byte <-> unicode table
-(``gpt2_bytes_to_unicode``), so no token contains a space or a newline. GPT-2 files have no special-token list.
-
-Every reader names the file and line (or key) of a malformed entry; unknown format versions are refused. A writer
-whose format cannot hold a tokenizer exactly raises ``FormatCannotHold`` before writing anything.
+Readers name the file and line (or key) of a malformed entry; a writer whose format cannot hold a tokenizer exactly
+raises ``FormatCannotHold`` before writing anything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
-from scratchlm.tokenizer.formats.added_tokens import AddedTokenFlags, FlagsByToken
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
 
@@ -68,6 +53,35 @@ class FormatCannotHold(ValueError):
     which maps each token string to one id): the writer refuses rather than write a different tokenizer."""
 
 
+@dataclass(frozen=True)
+class AddedTokenFlags:
+    """How a Hugging Face tokenizer.json marks an added token beyond its text and id. ``special`` false is a plain
+    added token (``decode(skip_special_tokens=True)`` keeps it); ``normalized`` says which of HF's two matching
+    passes finds it (hf.py refuses files where that differs from our one pass). Neither changes our ids, so neither
+    enters ``Tokenizer.hash``; both are kept so that a file read and saved again gives HF the tokenizer it gave.
+    (lstrip, rstrip and single_word change ids and are refused on reading.)"""
+
+    special: bool = True
+    normalized: bool = False
+
+
+OURS = AddedTokenFlags()  # what we write for a special token of our own
+FlagsByToken = dict[str, AddedTokenFlags]  # only the tokens whose flags are not OURS
+
+
+def checked_flags(flags: FlagsByToken | None, special_tokens: list[str]) -> FlagsByToken:
+    """flags without the entries equal to OURS; a ValueError for flags of a token that is not a special token."""
+    flags = dict(flags or {})
+    stray = next((token for token in flags if token not in special_tokens), None)
+    if stray is not None:
+        raise ValueError(f"added-token flags given for {stray!r}, which is not a special token "
+                         f"(special tokens: {special_tokens})")
+    bad = next((token for token, flag in flags.items() if not isinstance(flag, AddedTokenFlags)), None)
+    if bad is not None:
+        raise TypeError(f"the flags of {bad!r} must be an AddedTokenFlags, got {type(flags[bad]).__name__}")
+    return {token: flag for token, flag in flags.items() if flag != OURS}
+
+
 @cache
 def gpt2_bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table: printable Latin-1 bytes map to themselves, the other 68 bytes to chr(256 + n) in order."""
@@ -81,11 +95,6 @@ def gpt2_bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-@cache
-def gpt2_unicode_to_bytes() -> dict[str, int]:
-    return {char: byte for byte, char in gpt2_bytes_to_unicode().items()}
-
-
 def to_gpt2_string(token: bytes) -> str:
     """token's bytes spelled in GPT-2's printable alphabet (a space is "Ġ")."""
     table = gpt2_bytes_to_unicode()
@@ -96,7 +105,7 @@ def to_gpt2_string(token: bytes) -> str:
 def _gpt2_translation() -> dict[int, str]:
     """str.translate table: GPT-2 characters -> the Latin-1 character of their byte; other Latin-1 -> U+FFFF."""
     table = {code: "\uffff" for code in range(256)}
-    table.update({ord(char): chr(byte) for char, byte in gpt2_unicode_to_bytes().items()})
+    table.update({ord(char): chr(byte) for byte, char in gpt2_bytes_to_unicode().items()})
     return table
 
 
@@ -105,7 +114,7 @@ def from_gpt2_string(text: str, where: str) -> bytes:
     try:  # fast path: one C-level translate + encode per token
         return text.translate(_gpt2_translation()).encode("latin-1")
     except UnicodeEncodeError:
-        bad = next(char for char in text if char not in gpt2_unicode_to_bytes())
+        bad = next(char for char in text if char not in gpt2_bytes_to_unicode().values())
         raise ValueError(f"{where}: character {bad!r} in {text!r} is not in GPT-2's byte table") from None
 
 
@@ -124,19 +133,15 @@ def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_scratchlm_file(path: str | Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken, ChatParts]:
-    """The tokenizer in a scratchlm-tokenizer.json, and its chat template and end-of-turn ids."""
-    path = Path(path)
-    document = read_json(path)
-    return *parse_scratchlm(document, path), parse_scratchlm_chat(document, path)
-
-
 def is_scratchlm_document(document: object) -> bool:
     """Whether a parsed JSON file is (meant to be) scratchlm's format: an object with format_version."""
     return isinstance(document, dict) and "format_version" in document
 
 
-def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken]:
+def parse_scratchlm(document: object,
+                    path: Path) -> tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken, ChatParts]:
+    """The tokenizer in a parsed scratchlm-tokenizer.json (read from path), with its chat template and end-of-turn
+    ids."""
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a JSON object with format_version, vocab, merges, special_tokens")
     version = document.get("format_version")
@@ -156,10 +161,11 @@ def parse_scratchlm(document: object, path: Path) -> tuple[Vocab, Merges, list[s
     if not all(isinstance(token, str) for token in specials):
         raise ValueError(f"{path}: special_tokens must be a list of strings, got {specials!r}")
     pipeline = _parse_pipeline(document, path) if version == PIPELINE_FORMAT_VERSION else GPT2_PIPELINE
-    return vocab, merges, list(specials), pipeline, _parse_added_token_flags(document, path)
+    flags = _parse_added_token_flags(document, path)
+    return vocab, merges, list(specials), pipeline, flags, _parse_chat(document, path)
 
 
-def parse_scratchlm_chat(document: dict, path: Path) -> ChatParts:
+def _parse_chat(document: dict, path: Path) -> ChatParts:
     """The ``chat_template`` and ``end_of_turn`` keys of a scratchlm document (NO_CHAT when it has neither)."""
     template, end_of_turn = document.get("chat_template"), document.get("end_of_turn", [])
     if template is not None:
@@ -235,19 +241,24 @@ def _is_id(value: object, vocab: Vocab) -> bool:
 
 
 def _parse_v1_vocab(entries: dict, path: Path) -> Vocab:
-    try:
-        return {int(key): bytes.fromhex(value) for key, value in entries.items()}
-    except (ValueError, TypeError):
-        key, value = next((k, v) for k, v in entries.items() if not _is_hex_entry(k, v))
-        raise ValueError(f"{path}: vocab entry {key!r}: {value!r} is not <integer id>: <hex bytes>") from None
+    vocab = {}
+    for key, value in entries.items():
+        try:
+            vocab[int(key)] = bytes.fromhex(value)
+        except (ValueError, TypeError):
+            raise ValueError(f"{path}: vocab entry {key!r}: {value!r} is not <integer id>: <hex bytes>") from None
+    return vocab
 
 
 def _parse_v1_merges(pairs: list, path: Path) -> Merges:
-    try:
-        return [(bytes.fromhex(left), bytes.fromhex(right)) for left, right in pairs]
-    except (ValueError, TypeError):
-        index, pair = next((i, p) for i, p in enumerate(pairs) if not _is_hex_pair(p))
-        raise ValueError(f"{path}: merge #{index} {pair!r} is not a pair of hex byte strings") from None
+    merges = []
+    for index, pair in enumerate(pairs):
+        try:
+            left, right = pair
+            merges.append((bytes.fromhex(left), bytes.fromhex(right)))
+        except (ValueError, TypeError):
+            raise ValueError(f"{path}: merge #{index} {pair!r} is not a pair of hex byte strings") from None
+    return merges
 
 
 def _is_hex(value: object) -> bool:
@@ -256,22 +267,6 @@ def _is_hex(value: object) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-
-
-def _is_hex_entry(key: object, value: object) -> bool:
-    try:
-        int(key)
-    except (ValueError, TypeError):
-        return False
-    return _is_hex(value)
-
-
-def _is_hex_pair(pair: object) -> bool:
-    try:
-        left, right = pair
-    except (ValueError, TypeError):
-        return False
-    return _is_hex(left) and _is_hex(right)
 
 
 def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vocab, Merges]:
