@@ -1,18 +1,22 @@
-"""The encode worker processes' side: each holds the tokenizer it was started with and dies with its parent.
+"""The encoders' worker processes: each holds the tokenizer it was started with and dies with its parent.
 
-Both encoders use it: data/encode.py (byte ranges of plain text) and data/document_encode.py (batches of
+Both encoders use them: data/encode.py (byte ranges of plain text) and data/document_encode.py (batches of
 documents), so neither imports the other for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -20,7 +24,21 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def init_worker(tokenizer: Tokenizer, parent: int) -> None:
+@contextlib.contextmanager
+def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` processes holding ``tokenizer``; an error (or Ctrl-C) in the block cancels the queued tasks
+    and waits for the running ones before it propagates."""
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                             initargs=(tokenizer, os.getpid())) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _init_worker(tokenizer: Tokenizer, parent: int) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
     _die_with_parent(parent)
