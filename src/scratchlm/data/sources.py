@@ -117,15 +117,7 @@ def read_documents(source: Source, *, text_field: str = "text", errors: str = "s
         return _parquet_documents(source, text_field)
     if source.format == "hf":
         return _hf_documents(source, text_field)
-    return _json_documents(source, text_field, errors)
-
-
-def read_text_blocks(source: Source, *, errors: str = "strict") -> Iterator[str]:
-    """The text of a text source (decompressed), block by block, for a reader that cuts the text itself (BPE
-    counting cuts it where no pre-token spans the cut, so a file without end-of-text tokens is never held whole)."""
-    if source.format != "text":
-        raise ValueError(f"{source.path}: not a text file")
-    return _text_blocks(source, errors)
+    return (_field_text(record, text_field, where) for where, record in read_json_records(source, errors=errors))
 
 
 def _open_binary(source: Source):
@@ -137,8 +129,10 @@ def _open_binary(source: Source):
     return open(source.path, "rb")
 
 
-def _text_blocks(source: Source, errors: str) -> Iterator[str]:
-    """The file's text block by block; invalid UTF-8 names the file and the (decompressed) byte offset."""
+def read_text_blocks(source: Source, *, errors: str = "strict") -> Iterator[str]:
+    """The text of a text source (decompressed), block by block, for a reader that cuts the text itself (BPE
+    counting cuts it where no pre-token spans the cut, so a file without end-of-text tokens is never held whole);
+    invalid UTF-8 names the file and the (decompressed) byte offset."""
     with _open_binary(source) as handle:
         try:
             yield from decode_utf8(source.path, iter(lambda: handle.read(READ_BLOCK), b""), errors)
@@ -169,10 +163,10 @@ def _text_documents(source: Source, errors: str, end_of_text: str | None) -> Ite
     """Documents of a text file, each up to and including an end-of-text token (the last may lack one), so that
     their concatenation is the file's text exactly."""
     if end_of_text is None:
-        yield "".join(_text_blocks(source, errors))
+        yield "".join(read_text_blocks(source, errors=errors))
         return
     pending = ""
-    for block in _text_blocks(source, errors):
+    for block in read_text_blocks(source, errors=errors):
         # split() cuts only at whole tokens; a token split over two blocks is whole once the tail is re-joined.
         *complete, pending = (pending + block).split(end_of_text)
         yield from (document + end_of_text for document in complete)
@@ -180,17 +174,10 @@ def _text_documents(source: Source, errors: str, end_of_text: str | None) -> Ite
         yield pending
 
 
-def _json_documents(source: Source, text_field: str, errors: str) -> Iterator[str]:
-    for where, record in read_json_records(source, errors=errors):
-        yield _field_text(record, text_field, where)
-
-
 def read_json_records(source: Source, *, errors: str = "strict") -> Iterator[tuple[str, object]]:
     """(where, record) of each JSON record of a ``.jsonl`` / ``.json`` source (a JSON array, or JSON lines; blank
     lines skipped): ``where`` is ``FILE:LINE`` (``FILE: record N`` in an array), for messages about the record.
     Malformed JSON is a ValueError naming the file and line."""
-    if source.format not in ("jsonl", "json"):
-        raise ValueError(f"{source.path}: expected JSON lines (.jsonl) or JSON (.json), not a {source.format} file")
     lines = _text_lines(source, errors)
     first = next(lines, None)
     if first is None:
