@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scratchlm.data.encode_workers import worker_pool, worker_tokenizer
+from scratchlm.data.encode_workers import in_worker, worker_pool
 from scratchlm.data.sources import END_OF_TEXT, Source, read_documents
 from scratchlm.data.token_file import TokenFileWriter
 from scratchlm.progress import progress_bar
@@ -135,7 +135,7 @@ def _encoded(tokenizer: Tokenizer, batches: Iterator[tuple[bool, list[str]]], wo
         with worker_pool(tokenizer, workers) as pool:
             pending: deque = deque()
             for is_val, documents in batches:
-                pending.append((is_val, len(documents), pool.submit(_encode_batch_in_worker, documents, eot_id)))
+                pending.append((is_val, len(documents), pool.submit(in_worker, encode_batch, documents, eot_id)))
                 if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
                     yield _finished(pending.popleft(), bar)
             while pending:
@@ -149,10 +149,6 @@ def _finished(entry: tuple, bar) -> tuple[bool, int, np.ndarray]:
     ids = future.result()
     bar.update(count)
     return is_val, count, ids
-
-
-def _encode_batch_in_worker(documents: list[str], eot_id: int | None) -> np.ndarray:
-    return encode_batch(worker_tokenizer(), documents, eot_id)
 
 
 def encode_batch(tokenizer: Tokenizer, documents: list[str], eot_id: int | None) -> np.ndarray:

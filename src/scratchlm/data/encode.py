@@ -29,9 +29,10 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from scratchlm.data.encode_workers import worker_pool, worker_tokenizer
+from scratchlm.data.encode_workers import in_worker, worker_pool
 from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, decode_utf8, expand_inputs, read_text_blocks
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
@@ -202,23 +203,20 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 yield task
             return
         with worker_pool(tokenizer, min(workers, len(tasks))) as pool:
-            for task in pool.map(_encode_range_in_worker, tasks):
+            for task in pool.map(partial(in_worker, _encode_range), tasks):
                 bar.update(task.end - task.start)
                 yield task
     finally:
         bar.close()
 
 
-def _encode_range_in_worker(task: _Task) -> _Task:
-    _encode_range(worker_tokenizer(), task)
-    return task
-
-
-def _encode_range(tokenizer: Tokenizer, task: _Task) -> None:
+def _encode_range(tokenizer: Tokenizer, task: _Task) -> _Task:
+    """Encode a task's byte range into its part file; returns the task."""
     text = decode_utf8(task.path, _read_range(task.path, task.start, task.end), task.errors, task.start)
     with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size, durable=False) as writer:  # a scratch file
         for ids in tokenizer.encode_stream(text):
             writer.write(ids)
+    return task
 
 
 def _read_range(path: Path, start: int, end: int) -> Iterator[bytes]:

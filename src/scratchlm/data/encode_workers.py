@@ -15,8 +15,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -66,6 +67,7 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def worker_tokenizer() -> Tokenizer:
+def in_worker(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(tokenizer, *args)`` with the worker's tokenizer: the task to submit to a ``worker_pool``."""
     assert _WORKER_TOKENIZER is not None, "worker started without a tokenizer"
-    return _WORKER_TOKENIZER
+    return function(_WORKER_TOKENIZER, *args)
