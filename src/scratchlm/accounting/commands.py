@@ -1,12 +1,9 @@
 """`scratchlm accounting` (what a run costs, before renting a GPU) and `scratchlm bench ops` (op studies).
 
-`accounting` prints parameters, forward/training FLOPs and training memory by component for a preset or a TOML
-config (with dotted `--set model.key=value` overrides), the largest batch for `--memory`, and the time to train
-`--tokens` (or `--steps` of batch × context tokens) at `--tflops` × `--mfu` or at `--tokens-per-second`, in
-days and years; a per-matrix table (Q, K, V, O, QKᵀ, AV, W1, W2, W3, LM head: parameters and forward FLOPs with
-their shares); the KV cache a decoding token takes; and the training compute both exactly (3 × forward) and by
-the 6·N·D rule of thumb. `--json`
-prints the same as one JSON object.
+`accounting` prints, for a preset or a TOML config (with `--set model.key=value` overrides), parameters and
+forward FLOPs by component and by matrix, training memory, the KV cache per decoded token, the largest batch for
+`--memory`, and the compute and time to train `--tokens` (or `--steps`); `--json` prints the same as one JSON
+object (`accounting_report`).
 """
 
 from __future__ import annotations
@@ -99,9 +96,9 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
     estimate = estimate_memory(config, context, batch, dtype, activation_model)
     report: dict[str, Any] = {
         "model": config.to_dict(), "context": context, "batch": batch, "dtype": dtype,
-        "params": {**params.by_component(), "total": params.total,
+        "params": {**asdict(params), "total": params.total,
                    "non_embedding": config.non_embedding_params(params.total)},
-        "forward_flops": {**flops.by_component(), "total": flops.total},
+        "forward_flops": {**asdict(flops), "total": flops.total},
         "forward_flop_shares": flops.shares(),
         "matrices": [{**asdict(row), "param_share": row.params / params.total,
                       "flop_share": row.forward_flops / flops.total} for row in matrix_table(config, context, batch)],
