@@ -60,14 +60,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ops.set_defaults(func=run_bench_ops_command)
 
 
-def resolve_model_config(args: argparse.Namespace):
-    """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.model_args import shape_run_config
-
-    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
-    return shape_run_config(args.config, preset, args.overrides, "accounting").model
-
-
 def accounting_report(config, context: int, batch: int, dtype: str = "fp32", activation_model: str = "scratchlm",
                       memory: str | None = None, tokens: float | None = None, tflops: float | None = None,
                       mfu: float = 0.4, tokens_per_second: float | None = None,
@@ -139,8 +131,10 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
 
 def run_accounting_command(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
+    from scratchlm.model_args import shape_run_config
 
-    config = resolve_model_config(args)
+    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
+    config = shape_run_config(args.config, preset, args.overrides, "accounting").model
     context = args.context if args.context is not None else config.context_length
     if context <= 0 or args.batch <= 0:
         raise UserError(f"--context and --batch must be positive, got {context} and {args.batch}")

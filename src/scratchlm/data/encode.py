@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from scratchlm.data.document_encode import ValSplit, documents_of, encode_documents
 from scratchlm.data.encode_workers import in_worker, worker_pool
 from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, decode_utf8, expand_inputs, read_text_blocks
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
@@ -95,8 +96,6 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
     """Encode the inputs (files, folders, globs, ``hf:`` datasets), in order, into the token file ``out``; with
     ``val_fraction`` or ``val_docs``, whole documents go to ``val_out`` instead. ``engine`` is one of ENGINES
     (see the module docstring). Returns sizes and speed."""
-    from scratchlm.data.document_encode import ValSplit, encode_documents
-
     started = time.perf_counter()
     if errors not in ERROR_POLICIES:
         raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
@@ -254,8 +253,6 @@ def _first_texts(sources: list[Source], tokenizer: Tokenizer, *, errors: str, te
                  limit: int) -> Iterator[tuple[str, str]]:
     """(where, text) for the first ``limit`` characters of the inputs, in the pieces the encoder takes whole: a
     plain text file's beginning, or documents; the last one cut at the limit."""
-    from scratchlm.data.document_encode import documents_of
-
     for source in sources:
         if source.is_plain_text:
             texts = [(source.path, _text_start(source, errors, limit))]
