@@ -1,12 +1,9 @@
 """`scratchlm accounting` (what a run costs, before renting a GPU) and `scratchlm bench ops` (op studies).
 
-`accounting` prints parameters, forward/training FLOPs and training memory by component for a preset or a TOML
-config (with dotted `--set model.key=value` overrides), the largest batch for `--memory`, and the time to train
-`--tokens` (or `--steps` of batch × context tokens) at `--tflops` × `--mfu` or at `--tokens-per-second`, in
-days and years; a per-matrix table (Q, K, V, O, QKᵀ, AV, W1, W2, W3, LM head: parameters and forward FLOPs with
-their shares); the KV cache a decoding token takes; and the training compute both exactly (3 × forward) and by
-the 6·N·D rule of thumb. `--json`
-prints the same as one JSON object.
+`accounting` prints, for a preset or a TOML config (with `--set model.key=value` overrides), parameters and
+forward FLOPs by component and by matrix, training memory, the KV cache per decoded token, the largest batch for
+`--memory`, and the compute and time to train `--tokens` (or `--steps`); `--json` prints the same as one JSON
+object (`accounting_report`).
 """
 
 from __future__ import annotations
@@ -63,14 +60,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ops.set_defaults(func=run_bench_ops_command)
 
 
-def resolve_model_config(args: argparse.Namespace):
-    """The ModelConfig named by --preset / --config, with --set model.* overrides applied."""
-    from scratchlm.model_args import shape_run_config
-
-    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
-    return shape_run_config(args.config, preset, args.overrides, "accounting").model
-
-
 def accounting_report(config, context: int, batch: int, dtype: str = "fp32", activation_model: str = "scratchlm",
                       memory: str | None = None, tokens: float | None = None, tflops: float | None = None,
                       mfu: float = 0.4, tokens_per_second: float | None = None,
@@ -99,9 +88,9 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
     estimate = estimate_memory(config, context, batch, dtype, activation_model)
     report: dict[str, Any] = {
         "model": config.to_dict(), "context": context, "batch": batch, "dtype": dtype,
-        "params": {**params.by_component(), "total": params.total,
+        "params": {**asdict(params), "total": params.total,
                    "non_embedding": config.non_embedding_params(params.total)},
-        "forward_flops": {**flops.by_component(), "total": flops.total},
+        "forward_flops": {**asdict(flops), "total": flops.total},
         "forward_flop_shares": flops.shares(),
         "matrices": [{**asdict(row), "param_share": row.params / params.total,
                       "flop_share": row.forward_flops / flops.total} for row in matrix_table(config, context, batch)],
@@ -142,8 +131,10 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
 
 def run_accounting_command(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
+    from scratchlm.model_args import shape_run_config
 
-    config = resolve_model_config(args)
+    preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
+    config = shape_run_config(args.config, preset, args.overrides, "accounting").model
     context = args.context if args.context is not None else config.context_length
     if context <= 0 or args.batch <= 0:
         raise UserError(f"--context and --batch must be positive, got {context} and {args.batch}")

@@ -65,9 +65,6 @@ class ActivationElements:
     def total(self) -> int:
         return sum(asdict(self).values())
 
-    def by_component(self) -> dict[str, int]:
-        return asdict(self)
-
 
 def activation_elements(config: ModelConfig, context: int, model: str = "scratchlm") -> ActivationElements:
     if model not in ACTIVATION_MODELS:
@@ -160,11 +157,9 @@ class MemoryEstimate:
 
 
 def _activation_bytes(elements: ActivationElements, dtype: str) -> dict[str, int]:
-    if dtype == "fp32":
-        return {name: 4 * value for name, value in elements.by_component().items()}
     # bf16 autocast: matmul outputs and inputs are bf16; norms keep float32 copies, the loss runs in float32.
     wide = {"norms", "final_norm", "logits"}
-    return {name: (4 if name in wide else 2) * value for name, value in elements.by_component().items()}
+    return {name: (4 if dtype == "fp32" or name in wide else 2) * value for name, value in asdict(elements).items()}
 
 
 def estimate_memory(config: ModelConfig, context: int, batch: int, dtype: str = "fp32",

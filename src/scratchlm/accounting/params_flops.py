@@ -75,9 +75,6 @@ class ParamCounts:
     def total(self) -> int:
         return sum(asdict(self).values())
 
-    def by_component(self) -> dict[str, int]:
-        return asdict(self)
-
 
 def count_params(config: ModelConfig) -> ParamCounts:
     d, layers = config.d_model, config.num_layers
@@ -105,9 +102,6 @@ class ForwardFlops:
     @property
     def total(self) -> int:
         return sum(asdict(self).values())
-
-    def by_component(self) -> dict[str, int]:
-        return asdict(self)
 
     def shares(self) -> dict[str, float]:
         """Fraction of the forward FLOPs spent in each component."""

@@ -1,19 +1,14 @@
 """Batches of (inputs, targets) token windows from a 1-D token array, usually an ``np.memmap`` of a token file.
 
-- ``get_batch``: B windows of T+1 tokens with uniform random starts in [0, n - T - 1]; inputs are the first T
-  tokens, targets the last T (shifted by one). Only the B·(T+1) sampled tokens are read: a (B, T+1) index
-  array fancy-indexes the memmap, so the OS pages in just those windows, never the whole file. The mapping is
-  advised ``MADV_RANDOM`` first: without it, each page fault triggers kernel read-ahead of neighbouring pages
-  that random windows never use, and sampling from a large file reads far more than the windows (figures in
+- ``get_batch``: B windows of T+1 tokens at uniform random starts; inputs are the first T tokens, targets the last
+  T. Only the B·(T+1) sampled tokens are read: a (B, T+1) index array fancy-indexes the memmap, advised
+  ``MADV_RANDOM`` first, so that page faults do not read ahead pages that random windows never use (figures in
   docs/benchmarks.md).
-- ``BatchSampler``: the trainer's seeded sampler. Its random stream is a numpy ``Generator`` seeded from
-  (seed, rank), so every rank of a distributed run draws a distinct stream, and its state is a JSON-able dict:
-  resuming from ``state_dict()`` reproduces the following batches exactly.
-- ``validation_batches``: the whole validation file (or its first ``max_batches``) as consecutive,
-  non-overlapping windows, in order: the same sample every evaluation, so validation curves are comparable.
-
-- ``MaskedBatch``: a fine-tuning batch (finetune/packing.py makes them): targets the loss skips are ``IGNORED``,
-  and ``document_ids`` keep packed conversations apart.
+- ``BatchSampler``: the trainer's seeded sampler. Its numpy ``Generator`` is seeded from (seed, rank), so each
+  rank of a distributed run draws its own stream; resuming from ``state_dict()`` reproduces the batches exactly.
+- ``validation_batches``: consecutive non-overlapping windows over the validation file, in order: the same
+  sample every evaluation, so validation curves are comparable.
+- ``MaskedBatch``: a fine-tuning batch (finetune/packing.py makes them).
 
 On CUDA the host batch is pinned and copied with ``non_blocking=True`` so the copy overlaps GPU work.
 """
@@ -37,6 +32,8 @@ class MaskedBatch(NamedTuple):
     inputs: torch.Tensor
     targets: torch.Tensor
     document_ids: torch.Tensor | None
+
+
 MALFORMED_STATE = "BatchSampler: the checkpoint's sampler state is malformed"
 
 

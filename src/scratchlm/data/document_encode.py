@@ -15,19 +15,15 @@ Design:
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
-import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from scratchlm.data.encode_workers import init_worker, worker_tokenizer
+from scratchlm.data.encode_workers import in_worker, worker_pool
 from scratchlm.data.sources import END_OF_TEXT, Source, read_documents
 from scratchlm.data.token_file import TokenFileWriter
 from scratchlm.progress import progress_bar
@@ -71,7 +67,7 @@ class DocumentCounts:
     val_docs: int
 
 
-def encode_documents(tokenizer: Tokenizer, sources: list[Source], out: Path, *, val_out: Path | None,
+def encode_documents(tokenizer: Tokenizer, sources: list[Source], out: Path, *, val_out: str | Path | None,
                      split: ValSplit, workers: int, errors: str, text_field: str, end_of_text: bool,
                      progress: bool) -> DocumentCounts:
     """Encode every document of ``sources`` into ``out`` (and ``val_out``, the documents ``split`` selects)."""
@@ -105,7 +101,7 @@ def documents_of(source: Source, tokenizer: Tokenizer, *, text_field: str, error
     return read_documents(source, text_field=text_field, errors=errors, end_of_text=separator)
 
 
-def _writer(path: Path, tokenizer: Tokenizer) -> TokenFileWriter:
+def _writer(path: str | Path, tokenizer: Tokenizer) -> TokenFileWriter:
     return TokenFileWriter(path, vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash)
 
 
@@ -136,20 +132,14 @@ def _encoded(tokenizer: Tokenizer, batches: Iterator[tuple[bool, list[str]]], wo
                 yield is_val, len(documents), encode_batch(tokenizer, documents, eot_id)
                 bar.update(len(documents))
             return
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker,
-                                 initargs=(tokenizer, os.getpid())) as pool:
+        with worker_pool(tokenizer, workers) as pool:
             pending: deque = deque()
-            try:
-                for is_val, documents in batches:
-                    pending.append((is_val, len(documents), pool.submit(_encode_batch_in_worker, documents, eot_id)))
-                    if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
-                        yield _finished(pending.popleft(), bar)
-                while pending:
+            for is_val, documents in batches:
+                pending.append((is_val, len(documents), pool.submit(in_worker, encode_batch, documents, eot_id)))
+                if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
                     yield _finished(pending.popleft(), bar)
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+            while pending:
+                yield _finished(pending.popleft(), bar)
     finally:
         bar.close()
 
@@ -159,10 +149,6 @@ def _finished(entry: tuple, bar) -> tuple[bool, int, np.ndarray]:
     ids = future.result()
     bar.update(count)
     return is_val, count, ids
-
-
-def _encode_batch_in_worker(documents: list[str], eot_id: int | None) -> np.ndarray:
-    return encode_batch(worker_tokenizer(), documents, eot_id)
 
 
 def encode_batch(tokenizer: Tokenizer, documents: list[str], eot_id: int | None) -> np.ndarray:

@@ -1,20 +1,13 @@
 """Fetch corpora: `scratchlm data download tinystories | hf:OWNER/NAME/PATH | URL`.
 
-``hf:OWNER/NAME/PATH`` is one file of a Hugging Face Hub repository (a dataset unless ``--repo-type model``);
-``tinystories`` is two of them, the TinyStories V2 (GPT-4) train/valid text files that CS336 assignment 1 uses,
-from the dataset ``roneneldan/TinyStories``. A plain http(s) URL names one file anywhere.
+``hf:OWNER/NAME/PATH`` is one file of a Hugging Face Hub repository; ``tinystories`` is the two TinyStories V2
+(GPT-4) train/valid text files of CS336 assignment 1; a plain http(s) URL names one file anywhere.
 
-Design:
-- huggingface_hub does the transfer (scratchlm/hub.py): a Hub file lands in the Hugging Face cache, checked against
-  the size the Hub announced, resumed when cut short, skipped when the cached copy has the Hub's ETag; a URL is
-  streamed by its ``http_get`` (size checked against the server's Content-Length when it sends one).
-- The file is then given its name in ``--out``: a hard link to the cached copy (no second copy of a 2 GB file;
-  edit the result by writing a new file, not in place), or a copy when the cache is on another disk. Copies go
-  through a temporary file and a rename, so a file with the final name is always complete.
-- A file already in ``--out`` is never replaced: the same bytes are fine (a rerun), other bytes are an error.
-- What is known in advance is checked before the file gets its name: the TinyStories files are pinned (size and
-  sha256, in ``PINNED``), so a changed upstream file is refused; a URL's file is checked against ``--sha256``.
-- Every failure is one line naming the file or URL; a failed command leaves no folder it created behind.
+huggingface_hub does the transfer (scratchlm/hub.py: cached, size-checked, resumed). The file then gets its name
+in ``--out`` as a hard link to the cached copy (no second copy of a 2 GB file), or a copy through a temporary file
+and a rename, so a file with the final name is always complete. A file already in ``--out`` is never replaced:
+the same bytes are fine (a rerun), other bytes are an error. The TinyStories files are pinned (size and sha256),
+a URL's file is checked against ``--sha256``. A failed command leaves no folder it created behind.
 """
 
 from __future__ import annotations

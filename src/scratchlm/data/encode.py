@@ -1,52 +1,40 @@
 """Encode corpora into a token file (and a validation file), in parallel processes and constant memory.
 
 ``encode_corpus`` takes any inputs ``sources.py`` reads. Plain text files with no validation split take the
-byte-range path below; everything else goes document by document through ``document_encode.py``. Either way
-each document ends with one end-of-text token (a text file: after its last one, unless it ends with one), so no
-two files or documents run together; ``end_of_text=False`` adds none.
+byte-range path below; everything else goes document by document through ``document_encode.py``. Each file or
+document ends with one end-of-text token (unless its text already ends with it, or ``end_of_text=False``), so
+no two run together.
 
-Byte-range path design:
-- Each input file is cut into byte ranges at *safe* points: right after a ``"\\n"`` whose neighbours are both
-  printable ASCII, or between the two newlines of ``X"\\n\\n"Y`` with X and Y printable ASCII (a paragraph
-  break; there the whole text's pre-tokens are X, "\\n", "\\n", Y too, unless a special token starts at Y:
-  then "\\n\\n" ends an ordinary piece and is one pre-token), and which no special token spans.
-  There GPT-2 pre-tokenization of the whole text equals that of the two halves: the newline is its own
-  pre-token either way, and no match looks across it. So the parallel result is identical to encoding each
-  file in one go (``Tokenizer.encode`` of its whole text).
-- Workers stream their range in 1 MiB blocks through an incremental UTF-8 decoder into
-  ``Tokenizer.encode_stream`` and write a part token file; the parent appends the parts in order to the output
-  through ``TokenFileWriter``, so the output appears, complete, only at the end. Parts live in a temporary
-  folder beside the output and are removed whatever happens.
-- Each input file is encoded on its own: no pre-token crosses from one file into the next, and the
-  end-of-text id follows a file whose text does not already end with that token.
-- Invalid UTF-8: ``errors="strict"`` (default) stops with the file and byte offset; ``errors="replace"``
-  substitutes U+FFFD, exactly as ``bytes.decode(errors="replace")`` of the whole file would.
+Byte-range path: each file is cut into byte ranges at *safe* points: right after a ``"\n"`` between printable
+ASCII bytes, or between the two newlines of ``X"\n\n"Y`` (a paragraph break, unless a special token starts at
+Y: "\n\n" would then be one pre-token), and where no special token spans the cut. There GPT-2 pre-tokenization
+of the whole text equals that of the two halves, so the parallel result is identical to ``Tokenizer.encode`` of
+each whole file. Workers stream their range through an incremental UTF-8 decoder into
+``Tokenizer.encode_stream`` and write part files, which the parent appends in order through ``TokenFileWriter``:
+the output appears, complete, only at the end. Invalid UTF-8 stops the encode naming file and byte offset
+(``errors="strict"``) or becomes U+FFFD exactly as ``bytes.decode(errors="replace")`` of the whole file would.
 
-Engines: ``engine="scratchlm"`` (default) encodes with the tokenizer as it is; ``engine="tiktoken"`` with its
-tiktoken twin (``tokenizer/fast/tiktoken_engine.py``: the same ids from native code, faster on large varied
-corpora), which both paths use in place of the tokenizer. The twin is built only for a tokenizer whose ids it
-provably reproduces, and is used only after it has given the tokenizer's ids on the inputs' first megabyte (each
-text file's beginning, or whole documents, as the paths encode them); a difference stops the encode before any
-output is written, naming where.
+``engine="tiktoken"`` encodes with the tokenizer's tiktoken twin (``tokenizer/fast/tiktoken_engine.py``: the same
+ids from native code, faster on large varied corpora), built only for a tokenizer whose ids it provably
+reproduces and used only once it has given the tokenizer's ids on the inputs' first megabyte; a difference stops
+the encode before any output is written, naming where.
 """
 
 from __future__ import annotations
 
-import codecs
-import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from scratchlm.data.encode_workers import init_worker, worker_tokenizer
-from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, expand_inputs
+from scratchlm.data.document_encode import ValSplit, documents_of, encode_documents
+from scratchlm.data.encode_workers import in_worker, worker_pool
+from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, decode_utf8, expand_inputs, read_text_blocks
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, has_known_boundaries
@@ -108,8 +96,6 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
     """Encode the inputs (files, folders, globs, ``hf:`` datasets), in order, into the token file ``out``; with
     ``val_fraction`` or ``val_docs``, whole documents go to ``val_out`` instead. ``engine`` is one of ENGINES
     (see the module docstring). Returns sizes and speed."""
-    from scratchlm.data.document_encode import ValSplit, encode_documents
-
     started = time.perf_counter()
     if errors not in ERROR_POLICIES:
         raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
@@ -131,17 +117,14 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
         tokenizer = _tiktoken_engine(tokenizer, sources, errors=errors, text_field=text_field)
     out = Path(out)
     total_bytes = sum(Path(source.path).stat().st_size for source in sources if source.format != "hf")
-    _remove_orphaned_parts(_existing_parent(out), out.name)
+    _remove_orphaned_parts(out.parent, out.name)
     if val_out is None and all(source.is_plain_text for source in sources):
         num_tokens, used = _encode_text_files([Path(source.path) for source in sources], tokenizer, out,
                                               workers=workers, errors=errors, progress=progress,
                                               end_of_text=end_of_text, total_bytes=total_bytes)
         return EncodeStats(total_bytes, num_tokens, time.perf_counter() - started, used)
-    val_out = Path(val_out) if val_out is not None else None
-    if val_out is not None:
-        _existing_parent(val_out)
-    counts = encode_documents(tokenizer, sources, out, val_out=val_out, split=split, workers=workers,
-                              errors=errors, text_field=text_field, end_of_text=end_of_text, progress=progress)
+    counts = encode_documents(tokenizer, sources, out, val_out=val_out, split=split, workers=workers, errors=errors,
+                              text_field=text_field, end_of_text=end_of_text, progress=progress)
     return EncodeStats(total_bytes, counts.train_tokens, time.perf_counter() - started, workers,
                        val_tokens=counts.val_tokens, documents=counts.train_docs, val_documents=counts.val_docs)
 
@@ -152,20 +135,19 @@ def _encode_text_files(paths: list[Path], tokenizer: Tokenizer, out: Path, *, wo
     ranges = _plan_ranges(paths, tokenizer, workers)
     ended = _files_needing_end_of_text(paths, ranges, end_of_text)
     eot_ids = [tokenizer.special_id(END_OF_TEXT)] if end_of_text else []
-    # The pid in the name tells a later run whether the encode that made this folder is still alive.
-    parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.{os.getpid()}.", dir=out.parent))
-    try:
-        tasks = [_Task(path, start, end, parts_dir / f"{index:06d}.tok", errors)
-                 for index, (path, start, end) in enumerate(ranges)]
-        with TokenFileWriter(out, vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash) as writer:
+    with TokenFileWriter(out, vocab_size=tokenizer.vocab_size, tokenizer_hash=tokenizer.hash) as writer:
+        # The pid in the name tells a later run whether the encode that made this folder is still alive.
+        parts_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.parts.{os.getpid()}.", dir=out.parent))
+        try:
+            tasks = [_Task(path, start, end, parts_dir / f"{index:06d}.tok", errors)
+                     for index, (path, start, end) in enumerate(ranges)]
             for index, task in enumerate(_run_tasks(tokenizer, tasks, workers, progress, total_bytes)):
                 _append_part(writer, task.part)
                 if index in ended:
                     writer.write(eot_ids)
-            num_tokens = writer.num_tokens
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
-    return num_tokens, min(workers, len(tasks))
+        finally:
+            shutil.rmtree(parts_dir, ignore_errors=True)
+    return writer.num_tokens, min(workers, len(tasks))
 
 
 def _files_needing_end_of_text(paths: list[Path], ranges: list[tuple[Path, int, int]], end_of_text: bool) -> set[int]:
@@ -204,14 +186,8 @@ def _is_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
-        return True
+        pass
     return True
-
-
-def _existing_parent(out: Path) -> Path:
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {out}: folder {out.parent} does not exist")
-    return out.parent
 
 
 def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress: bool,
@@ -225,51 +201,33 @@ def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress:
                 bar.update(task.end - task.start)
                 yield task
             return
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=init_worker,
-                                 initargs=(tokenizer, os.getpid())) as pool:
-            try:
-                for task in pool.map(_encode_range_in_worker, tasks):
-                    bar.update(task.end - task.start)
-                    yield task
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+        with worker_pool(tokenizer, min(workers, len(tasks))) as pool:
+            for task in pool.map(partial(in_worker, _encode_range), tasks):
+                bar.update(task.end - task.start)
+                yield task
     finally:
         bar.close()
 
 
-def _encode_range_in_worker(task: _Task) -> _Task:
-    _encode_range(worker_tokenizer(), task)
+def _encode_range(tokenizer: Tokenizer, task: _Task) -> _Task:
+    """Encode a task's byte range into its part file; returns the task."""
+    text = decode_utf8(task.path, _read_range(task.path, task.start, task.end), task.errors, task.start)
+    with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size, durable=False) as writer:  # a scratch file
+        for ids in tokenizer.encode_stream(text):
+            writer.write(ids)
     return task
 
 
-def _encode_range(tokenizer: Tokenizer, task: _Task) -> None:
-    with TokenFileWriter(task.part, vocab_size=tokenizer.vocab_size, durable=False) as writer:  # a scratch file
-        for ids in tokenizer.encode_stream(_decoded_blocks(task.path, task.start, task.end, task.errors)):
-            writer.write(ids)
-
-
-def _decoded_blocks(path: Path, start: int, end: int, errors: str) -> Iterator[str]:
-    """The text of a file's byte range, block by block; invalid UTF-8 raises naming file and byte offset."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
-    position = start
+def _read_range(path: Path, start: int, end: int) -> Iterator[bytes]:
+    """The bytes start..end of a file, block by block."""
     with open(path, "rb") as handle:
         handle.seek(start)
-        while position < end:
-            block = handle.read(min(READ_BLOCK, end - position))
+        while start < end:
+            block = handle.read(min(READ_BLOCK, end - start))
             if not block:
-                raise ValueError(f"{path}: file shrank while being read (ended at byte {position})")
-            pending = len(decoder.getstate()[0])
-            try:
-                text = decoder.decode(block, final=position + len(block) == end)
-            except UnicodeDecodeError as error:
-                offset = position - pending + error.start
-                bad = error.object[error.start:error.end]
-                raise ValueError(f"{path}: invalid UTF-8 at byte offset {offset} ({bad!r}: {error.reason}); "
-                                 "fix the file or use --errors replace to substitute U+FFFD") from None
-            position += len(block)
-            yield text
+                raise ValueError(f"{path}: file shrank while being read (ended at byte {start})")
+            start += len(block)
+            yield block
 
 
 def _append_part(writer: TokenFileWriter, part: Path) -> None:
@@ -295,11 +253,9 @@ def _first_texts(sources: list[Source], tokenizer: Tokenizer, *, errors: str, te
                  limit: int) -> Iterator[tuple[str, str]]:
     """(where, text) for the first ``limit`` characters of the inputs, in the pieces the encoder takes whole: a
     plain text file's beginning, or documents; the last one cut at the limit."""
-    from scratchlm.data.document_encode import documents_of
-
     for source in sources:
         if source.is_plain_text:
-            texts = [(source.path, _text_start(Path(source.path), errors, limit))]
+            texts = [(source.path, _text_start(source, errors, limit))]
         else:
             name = f"{HF_PREFIX}{source.path}" if source.format == "hf" else source.path
             texts = ((f"document {number} of {name}", document) for number, document
@@ -311,10 +267,10 @@ def _first_texts(sources: list[Source], tokenizer: Tokenizer, *, errors: str, te
                 return
 
 
-def _text_start(path: Path, errors: str, limit: int) -> str:
+def _text_start(source: Source, errors: str, limit: int) -> str:
     """The text of a file's first blocks, at least ``limit`` characters of it when the file has as many."""
     blocks: list[str] = []
-    with closing(_decoded_blocks(path, 0, path.stat().st_size, errors)) as decoded:
+    with closing(read_text_blocks(source, errors=errors)) as decoded:
         for block in decoded:
             blocks.append(block)
             limit -= len(block)

@@ -1,18 +1,23 @@
-"""The encode worker processes' side: each holds the tokenizer it was started with and dies with its parent.
+"""The encoders' worker processes: each holds the tokenizer it was started with and dies with its parent.
 
-Both encoders use it: data/encode.py (byte ranges of plain text) and data/document_encode.py (batches of
+Both encoders use them: data/encode.py (byte ranges of plain text) and data/document_encode.py (batches of
 documents), so neither imports the other for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
@@ -20,7 +25,21 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def init_worker(tokenizer: Tokenizer, parent: int) -> None:
+@contextlib.contextmanager
+def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` processes holding ``tokenizer``; an error (or Ctrl-C) in the block cancels the queued tasks
+    and waits for the running ones before it propagates."""
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                             initargs=(tokenizer, os.getpid())) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _init_worker(tokenizer: Tokenizer, parent: int) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
     _die_with_parent(parent)
@@ -48,6 +67,7 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def worker_tokenizer() -> Tokenizer:
+def in_worker(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(tokenizer, *args)`` with the worker's tokenizer: the task to submit to a ``worker_pool``."""
     assert _WORKER_TOKENIZER is not None, "worker started without a tokenizer"
-    return _WORKER_TOKENIZER
+    return function(_WORKER_TOKENIZER, *args)

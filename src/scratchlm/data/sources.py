@@ -24,8 +24,9 @@ import codecs
 import glob
 import gzip
 import io
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,10 @@ from scratchlm.extras import require
 END_OF_TEXT = "<|endoftext|>"
 HF_PREFIX = "hf:"
 READ_BLOCK = 1 << 20
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json",
+           ".parquet": "parquet"}
+KNOWN_SUFFIXES = tuple(FORMATS)
 COMPRESSED_SUFFIXES = (".gz", ".zst")
-KNOWN_SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".json", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
 
 
@@ -69,7 +70,7 @@ def _expand(spec: str) -> list[Source]:
         return [Source(spec[len(HF_PREFIX):], "hf")]
     path = Path(spec)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _known_format(p)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _format_of(p)[0]
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise FileNotFoundError(f"folder {path} holds no input files (known suffixes: "
@@ -85,27 +86,19 @@ def _expand(spec: str) -> list[Source]:
     raise FileNotFoundError(f"input file {path} does not exist")
 
 
-def _known_format(path: Path) -> bool:
+def _format_of(path: Path) -> tuple[str | None, str | None]:
+    """(format, compression) as a file's suffixes tell them; format None for an unknown suffix."""
     name = path.name.lower()
-    name = next((name.removesuffix(suffix) for suffix in COMPRESSED_SUFFIXES if name.endswith(suffix)), name)
-    return name.endswith(KNOWN_SUFFIXES)
+    compression = next((suffix for suffix in COMPRESSED_SUFFIXES if name.endswith(suffix)), None)
+    name = name.removesuffix(compression or "")
+    return next((kind for suffix, kind in FORMATS.items() if name.endswith(suffix)), None), compression
 
 
 def source_of(path: str | Path) -> Source:
     """A file's source, its format and compression told by its suffixes (unknown suffixes read as text)."""
     path = Path(path)
-    name = path.name.lower()
-    compression = next((suffix for suffix in COMPRESSED_SUFFIXES if name.endswith(suffix)), None)
-    if compression:
-        name = name.removesuffix(compression)
-    if name.endswith(JSONL_SUFFIXES):
-        kind = "jsonl"
-    elif name.endswith(".json"):
-        kind = "json"
-    elif name.endswith(".parquet"):
-        kind = "parquet"
-    else:
-        kind = "text"
+    kind, compression = _format_of(path)
+    kind = kind or "text"
     if kind == "parquet" and compression:
         raise ValueError(f"{path}: parquet files compress internally; decompress it first")
     with open(path, "rb"):  # unreadable files fail here, before any work starts
@@ -124,15 +117,7 @@ def read_documents(source: Source, *, text_field: str = "text", errors: str = "s
         return _parquet_documents(source, text_field)
     if source.format == "hf":
         return _hf_documents(source, text_field)
-    return _json_documents(source, text_field, errors)
-
-
-def read_text_blocks(source: Source, *, errors: str = "strict") -> Iterator[str]:
-    """The text of a text source (decompressed), block by block, for a reader that cuts the text itself (BPE
-    counting cuts it where no pre-token spans the cut, so a file without end-of-text tokens is never held whole)."""
-    if source.format != "text":
-        raise ValueError(f"{source.path}: not a text file")
-    return _text_blocks(source, errors)
+    return (_field_text(record, text_field, where) for where, record in read_json_records(source, errors=errors))
 
 
 def _open_binary(source: Source):
@@ -144,38 +129,44 @@ def _open_binary(source: Source):
     return open(source.path, "rb")
 
 
-def _text_blocks(source: Source, errors: str) -> Iterator[str]:
-    """The file's text block by block; invalid UTF-8 names the file and the (decompressed) byte offset."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
-    position = 0
+def read_text_blocks(source: Source, *, errors: str = "strict") -> Iterator[str]:
+    """The text of a text source (decompressed), block by block, for a reader that cuts the text itself (BPE
+    counting cuts it where no pre-token spans the cut, so a file without end-of-text tokens is never held whole);
+    invalid UTF-8 names the file and the (decompressed) byte offset."""
     with _open_binary(source) as handle:
-        while True:
-            try:
-                block = handle.read(READ_BLOCK)
-                pending = len(decoder.getstate()[0])
-                text = decoder.decode(block, final=not block)
-            except UnicodeDecodeError as error:
-                offset = position - pending + error.start
-                raise ValueError(f"{source.path}: invalid UTF-8 at byte offset {offset} "
-                                 f"({error.object[error.start:error.end]!r}: {error.reason}); fix the file or use "
-                                 "--errors replace to substitute U+FFFD") from None
-            except (OSError, EOFError) as error:  # a corrupt .gz / .zst
-                raise ValueError(f"{source.path}: cannot decompress ({error})") from None
-            position += len(block)
-            if text:
-                yield text
-            if not block:
-                return
+        try:
+            yield from decode_utf8(source.path, iter(lambda: handle.read(READ_BLOCK), b""), errors)
+        except (OSError, EOFError) as error:  # a corrupt .gz / .zst
+            raise ValueError(f"{source.path}: cannot decompress ({error})") from None
+
+
+def decode_utf8(path: str | Path, blocks: Iterable[bytes], errors: str, start: int = 0) -> Iterator[str]:
+    """The text of ``blocks``, consecutive non-empty bytes of ``path`` from byte ``start`` on, decoded
+    incrementally (a character may span two blocks); invalid UTF-8 is a ValueError naming the file and offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
+    position = start
+    for block in itertools.chain(blocks, [b""]):  # the empty block ends the input (final=True)
+        pending = len(decoder.getstate()[0])
+        try:
+            text = decoder.decode(block, final=not block)
+        except UnicodeDecodeError as error:
+            offset = position - pending + error.start
+            raise ValueError(f"{path}: invalid UTF-8 at byte offset {offset} "
+                             f"({error.object[error.start:error.end]!r}: {error.reason}); fix the file or use "
+                             "--errors replace to substitute U+FFFD") from None
+        position += len(block)
+        if text:
+            yield text
 
 
 def _text_documents(source: Source, errors: str, end_of_text: str | None) -> Iterator[str]:
     """Documents of a text file, each up to and including an end-of-text token (the last may lack one), so that
     their concatenation is the file's text exactly."""
     if end_of_text is None:
-        yield "".join(_text_blocks(source, errors))
+        yield "".join(read_text_blocks(source, errors=errors))
         return
     pending = ""
-    for block in _text_blocks(source, errors):
+    for block in read_text_blocks(source, errors=errors):
         # split() cuts only at whole tokens; a token split over two blocks is whole once the tail is re-joined.
         *complete, pending = (pending + block).split(end_of_text)
         yield from (document + end_of_text for document in complete)
@@ -183,17 +174,10 @@ def _text_documents(source: Source, errors: str, end_of_text: str | None) -> Ite
         yield pending
 
 
-def _json_documents(source: Source, text_field: str, errors: str) -> Iterator[str]:
-    for where, record in read_json_records(source, errors=errors):
-        yield _field_text(record, text_field, where)
-
-
 def read_json_records(source: Source, *, errors: str = "strict") -> Iterator[tuple[str, object]]:
     """(where, record) of each JSON record of a ``.jsonl`` / ``.json`` source (a JSON array, or JSON lines; blank
     lines skipped): ``where`` is ``FILE:LINE`` (``FILE: record N`` in an array), for messages about the record.
     Malformed JSON is a ValueError naming the file and line."""
-    if source.format not in ("jsonl", "json"):
-        raise ValueError(f"{source.path}: expected JSON lines (.jsonl) or JSON (.json), not a {source.format} file")
     lines = _text_lines(source, errors)
     first = next(lines, None)
     if first is None:
@@ -201,7 +185,7 @@ def read_json_records(source: Source, *, errors: str = "strict") -> Iterator[tup
     if source.format == "json" and first[1].lstrip().startswith("["):
         yield from _json_array_records(source, first[1] + "".join(line for _, line in lines))
         return
-    for number, line in _chain_first(first, lines):
+    for number, line in itertools.chain([first], lines):
         if not line.strip():
             continue
         try:
@@ -209,11 +193,6 @@ def read_json_records(source: Source, *, errors: str = "strict") -> Iterator[tup
         except json.JSONDecodeError as error:
             raise ValueError(f"{source.path}:{number}: malformed JSON ({error.msg}, column {error.colno})") from None
         yield f"{source.path}:{number}", record
-
-
-def _chain_first(first: tuple[int, str], rest: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
-    yield first
-    yield from rest
 
 
 def _text_lines(source: Source, errors: str) -> Iterator[tuple[int, str]]:
@@ -321,8 +300,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     if not parts[0] or len(parts) > 3:
         raise ValueError(f"{HF_PREFIX}{spec}: expected hf:NAME[:CONFIG][:SPLIT], e.g. hf:roneneldan/TinyStories"
                          "::validation")
-    name, config, split = parts[0], (parts[1] if len(parts) > 1 else "") or None, (parts[2] if len(parts) > 2
-                                                                                    else "") or "train"
-    return name, config, split
+    name, config, split = [*parts, "", ""][:3]
+    return name, config or None, split or "train"
 
 

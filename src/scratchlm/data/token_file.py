@@ -212,7 +212,13 @@ def open_token_file(path: str | Path, *, vocab_size: int | None = None,
 def check_token_file(opened: TokenFile, *, vocab_size: int | None = None, tokenizer_hash: str | None = None) -> None:
     """``open_token_file``'s checks of ``vocab_size`` and ``tokenizer_hash``, for a file opened before they were
     known (train opens its token files once, and learns the vocabulary from the train file's header)."""
-    _check_expectations(opened.path, opened.vocab_size, opened.tokenizer_hash, vocab_size, tokenizer_hash)
+    # A model may pad its vocab (e.g. 50257 -> 50304): the file fits when all its ids are below vocab_size.
+    if vocab_size is not None and opened.vocab_size > vocab_size:
+        raise ValueError(f"{opened.path} was encoded for vocab size {opened.vocab_size}, larger than the expected "
+                         f"vocab size {vocab_size}: its ids may not fit; re-encode it with the matching tokenizer")
+    if tokenizer_hash is not None and tokenizer_hash != opened.tokenizer_hash:
+        raise ValueError(f"{opened.path} was encoded with tokenizer {opened.tokenizer_hash or '(unrecorded)'}, but "
+                         f"tokenizer {tokenizer_hash} was expected: re-encode it with this tokenizer")
     if vocab_size is not None:
         check_ids_below(opened.path, opened.tokens, opened.vocab_size)
 
@@ -225,17 +231,6 @@ def check_ids_below(path: Path, tokens: np.ndarray, limit: int) -> None:
             offset = int(np.argmax(chunk >= limit))
             raise ValueError(f"{path}: token id {int(chunk[offset])} at position {start + offset:,} is outside the "
                              f"file's vocab (0..{limit - 1}): the file is damaged; re-encode it")
-
-
-def _check_expectations(path: Path, stored_vocab: int, stored_hash: str | None, vocab_size: int | None,
-                        tokenizer_hash: str | None) -> None:
-    # A model may pad its vocab (e.g. 50257 -> 50304): the file fits when all its ids are below vocab_size.
-    if vocab_size is not None and stored_vocab > vocab_size:
-        raise ValueError(f"{path} was encoded for vocab size {stored_vocab}, larger than the expected vocab "
-                         f"size {vocab_size}: its ids may not fit; re-encode it with the matching tokenizer")
-    if tokenizer_hash is not None and tokenizer_hash != stored_hash:
-        raise ValueError(f"{path} was encoded with tokenizer {stored_hash or '(unrecorded)'}, but tokenizer "
-                         f"{tokenizer_hash} was expected: re-encode it with this tokenizer")
 
 
 def _hash_bytes(tokenizer_hash: str | None) -> bytes:

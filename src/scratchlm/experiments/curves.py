@@ -1,16 +1,10 @@
 """The report's learning-curve figure: every run overlaid on the same panels, one legend below them all.
 
-Two rows of loss panels (validation, training) against optimizer steps, tokens seen and wall-clock seconds, and
-a row of training dynamics against steps: the learning rate each step used and the gradient norm before
-clipping (a spike there usually comes before a loss spike). Values come from the run's metrics.jsonl records
-only (experiments/runs.py), so any run directory can be drawn.
-
-A diverged run stays on the plot up to where it diverged: its training-loss line ends with an x at the first
-bad step (read from its end record), drawn at the top edge when that loss was off the scale or not finite. The
-trainer logs the last good step and the bad one when it stops, so a run that diverged before its first log still
-has a line to that x.
-
-matplotlib is imported inside the functions: the rest of the report (and scratchlm itself) does not need it.
+Two rows of loss panels (validation, training) against optimizer steps, tokens seen and wall-clock seconds, and a
+row of training dynamics against steps: the learning rate and the gradient norm before clipping (a spike there
+usually comes before a loss spike). Values come from metrics.jsonl only (experiments/runs.py). A diverged run's
+training-loss line ends with an x at its first bad step, on the top edge when that loss is off the scale.
+matplotlib is imported inside the functions: the rest of scratchlm does not need it.
 """
 
 from __future__ import annotations
@@ -100,14 +94,17 @@ def _style(index: int) -> dict[str, Any]:
     return {"linestyle": LINE_STYLES[(index // COLORS) % len(LINE_STYLES)], "color": f"C{index % COLORS}"}
 
 
-def _draw_loss_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
+def _draw_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
+    """One panel, every run a line. Loss panels are cut to the healthy runs' range (a diverged run's training
+    loss ends in an x); learning rate and gradient norm go on a log scale when they span a decade or more."""
     series = [_series(getattr(run, panel.source), panel.x_key, panel.y_key) for run in runs]
+    is_loss = panel not in DYNAMICS_PANELS
     healthy = [points for run, points in zip(runs, series) if run.status != "diverged"]
-    limits = _loss_limits(healthy if any(healthy) else series)
+    limits = _loss_limits(healthy if any(healthy) else series) if is_loss else None
     if limits:
         ax.set_ylim(*limits)
     for index, (run, points) in enumerate(zip(runs, series)):
-        end = divergence_point(run, panel.x_key, limits[1] if limits else None) if panel.source == "train" else None
+        end = divergence_point(run, panel.x_key, limits[1] if limits else None) if panel in TRAINING_PANELS else None
         if end:
             points = [p for p in points if p[0] < end[0]] + [end]
             # Outside the clip box, so an x on the top edge shows whole; no label: the line carries the legend entry.
@@ -115,16 +112,7 @@ def _draw_loss_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
         if points:
             ax.plot(*zip(*points), **_style(index), linewidth=1.4, marker="o" if len(points) < 3 else None,
                     label=_label(run))
-
-
-def _draw_dynamics_panel(ax: Any, panel: Panel, runs: list[RunRecord]) -> None:
-    """Learning rate or gradient norm, on a log scale when the values span a decade or more."""
-    series = [_series(run.train, panel.x_key, panel.y_key) for run in runs]
-    for index, (run, points) in enumerate(zip(runs, series)):
-        if points:
-            ax.plot(*zip(*points), **_style(index), linewidth=1.4, marker="o" if len(points) < 3 else None,
-                    label=_label(run))
-    if wants_log_scale([y for points in series for _, y in points]):
+    if not is_loss and wants_log_scale([y for points in series for _, y in points]):
         ax.set_yscale("log")
 
 
@@ -145,8 +133,7 @@ def curves_figure(runs: list[RunRecord]) -> Any:
     placed += [(grid[2, 3 * col:3 * col + 3], panel) for col, panel in enumerate(DYNAMICS_PANELS)]
     for cell, panel in placed:
         ax = fig.add_subplot(cell)
-        draw = _draw_dynamics_panel if panel in DYNAMICS_PANELS else _draw_loss_panel
-        draw(ax, panel, runs)
+        _draw_panel(ax, panel, runs)
         if panel.x_key in ("step", "tokens"):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.x_key == "tokens":

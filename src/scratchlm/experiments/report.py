@@ -58,11 +58,6 @@ def unique_names(paths: list[Path]) -> list[str]:
     return labels
 
 
-def build_rows(runs: list[RunRecord], baseline: RunRecord) -> list[Row]:
-    return [Row(run=r, is_baseline=r is baseline, delta=r.final_val_loss - baseline.final_val_loss,
-                diff=config_diff(r.config, baseline.config)) for r in runs]
-
-
 def _num(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "—"
 
@@ -176,7 +171,8 @@ def write_report(run_dirs: list[str | Path], *, out_dir: str | Path, baseline: s
     runs = [load_run(p, name) for p, name in zip(paths, unique_names(paths))]
     base_path = Path(baseline).resolve() if baseline is not None else paths[0].resolve()
     base_run = next(r for r in runs if r.path.resolve() == base_path)
-    rows = build_rows(runs, base_run)
+    rows = [Row(run=r, is_baseline=r is base_run, delta=r.final_val_loss - base_run.final_val_loss,
+                diff=config_diff(r.config, base_run.config)) for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     figures = [Figure("learning curves", "curves.png", plot_curves(runs)), *sweep_figures(sweeps)]

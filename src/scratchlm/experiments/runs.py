@@ -58,10 +58,11 @@ class RunRecord:
 
     @property
     def final_val_ppl(self) -> float:
-        if math.isnan(self.final_val_loss):
+        loss = self.final_val_loss
+        if math.isnan(loss):
             return math.nan
         ppl = self.evals[-1].get("val_ppl")
-        return float(ppl) if ppl is not None else _safe_exp(self.final_val_loss)
+        return float(ppl) if ppl is not None else (math.exp(loss) if loss < 700 else math.inf)
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,10 +102,6 @@ class RunRecord:
     def wall_time(self) -> float:
         times = [float(r["wall_time"]) for r in (*self.train, *self.evals) if r.get("wall_time") is not None]
         return max(times) if times else math.nan
-
-
-def _safe_exp(value: float) -> float:
-    return math.exp(value) if value < 700 else math.inf
 
 
 # Keys that differ between any two runs by construction (where each run writes), never an experimental change.

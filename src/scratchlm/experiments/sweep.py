@@ -1,19 +1,13 @@
 """Grid sweeps: every combination of a few config overrides, one run directory each, resumable.
 
-`scratchlm sweep --config base.toml --grid optim.lr=1e-4,1e-3 --grid data.batch_size=16,64` expands the
-cartesian product of the grids into points, names each point's run directory after its overrides
-(``SWEEP/lr-1e-4__batch_size-16``), validates every point's config before training any, then trains the
-points one after another. The state of a sweep lives in the run directories themselves: a point whose
-metrics.jsonl ends with an ``end`` record of status finished or diverged is done and never rerun; one that was
-interrupted is resumed from its checkpoint. So rerunning the same command after a crash or Ctrl-C continues
-where it stopped, and ``SWEEP/sweep.json`` is rebuilt from the run directories after every point. A rerun with
-other settings (a changed --set or base config) is refused before anything trains: each started point's
-resolved config must equal the RUN_DIR/config.toml its run was trained with, or the summary would claim settings
-the runs never used.
-
-To spread a sweep over several GPUs (or machines sharing a file system), start one process per device with
-``--shard i/n`` (i = 0..n-1, e.g. ``CUDA_VISIBLE_DEVICES=i``): shard i trains points i, i+n, i+2n, ... Every
-shard writes the same complete summary, so whichever finishes last leaves an up-to-date sweep.json.
+`scratchlm sweep --config base.toml --grid optim.lr=1e-4,1e-3 --grid data.batch_size=16,64` trains the cartesian
+product of the grids, one point after another, each in a run directory named after its overrides
+(``SWEEP/lr-1e-4__batch_size-16``); every point's config is validated before any trains. The sweep's state lives
+in the run directories: a point whose metrics.jsonl ends finished or diverged is done, an interrupted one resumes
+from its checkpoint, so rerunning the same command continues where it stopped; ``SWEEP/sweep.json`` is rebuilt
+from them after every point. A rerun whose settings changed is refused before anything trains (a started point's
+config must equal its RUN_DIR/config.toml). ``--shard i/n`` trains points i, i+n, ... (one process per GPU);
+every shard writes the whole summary.
 """
 
 from __future__ import annotations
@@ -216,10 +210,7 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return checkpoints.is_dir() and any(checkpoints.iterdir())
 
 
-TrainFn = Callable[..., Any]
-
-
-def run_sweep(spec: SweepSpec, *, train_fn: TrainFn | None = None, quiet: bool = False,
+def run_sweep(spec: SweepSpec, *, train_fn: Callable[..., Any] | None = None, quiet: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train this shard's points that are not done yet; returns (and writes) the summary of the whole sweep.
 
