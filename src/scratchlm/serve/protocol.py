@@ -66,7 +66,7 @@ class CompletionRequest:
 
 
 def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
-    fields = _fields(body, FIELDS, model_name, limits)
+    fields = _fields(body, FIELDS, model_name)
     n = _integer(fields, "n", 1, low=1, high=limits.max_choices)
     best_of = _integer(fields, "best_of", n, low=1)
     if best_of != n:
@@ -86,7 +86,7 @@ def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> Complet
 def parse_chat(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
     """A chat completions request: `prompts` is empty, and `max_tokens` (`max_completion_tokens`, or the older
     `max_tokens`) None when not given: the server's default is what the context leaves."""
-    fields = _fields(body, CHAT_FIELDS, model_name, limits)
+    fields = _fields(body, CHAT_FIELDS, model_name)
     for name in ("logprobs", "top_logprobs"):
         if fields.get(name) not in (None, False, 0):
             raise bad(name, f"{name} is not supported on chat completions (POST /v1/completions has logprobs)")
@@ -111,23 +111,9 @@ def _sampling(fields: dict, limits: Limits) -> dict:
                 seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices))
 
 
-def _fields(body: bytes, known: set[str], model_name: str, limits: Limits) -> dict:
-    """The request's JSON object, after refusing unknown fields, another model and fields we do not implement."""
-    fields = parse_json_object(body, limits)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
-    model = fields.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
-    _refuse_unsupported(fields)
-    return fields
-
-
-def parse_json_object(body: bytes, limits: Limits) -> dict:
-    if len(body) > limits.max_body_bytes:
-        raise body_too_large(limits)
+def _fields(body: bytes, known: set[str], model_name: str) -> dict:
+    """The request's JSON object (the app has already refused a body over the limit), after refusing unknown
+    fields, another model and fields we do not implement."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -140,6 +126,14 @@ def parse_json_object(body: bytes, limits: Limits) -> dict:
     if not isinstance(fields, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(fields).__name__}",
                        code="invalid_json")
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
+    model = fields.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    _refuse_unsupported(fields)
     return fields
 
 
