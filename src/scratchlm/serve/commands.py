@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from scratchlm.config import TORCH_DTYPE_NAMES
-from scratchlm.generate.commands import DTYPES, EOS_TOKEN, say_if_not_compiled
+from scratchlm.generate.commands import add_model_arguments, load_model_and_tokenizer
 
 T = TypeVar("T")
 
@@ -91,12 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"variable: a flag is visible to other users in the process list)")
     parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the run folder's "
                                                            "name)")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's copy)")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
-    parser.add_argument("--compile", action="store_true",
-                        help="decode through a step compiled ahead of time on a CPU (fp32 and bf16: 1.3-3x the "
-                             "tokens/s) after 20-60 s of building at start-up")
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
@@ -107,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"{meaning} (default: {shown})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: info)")
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(func=run_serve, cs336_checkpoint=None, model_config=None, preset=None, model_overrides=[])
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -115,9 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from scratchlm.errors import UserError
     from scratchlm.extras import require
-    from scratchlm.train.checkpoint import load_for_inference, run_dir_of
-    from scratchlm.train.setup import select_device
-    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+    from scratchlm.generate.text import end_of_text_id
+    from scratchlm.train.checkpoint import run_dir_of
 
     require("fastapi", "serve", "scratchlm serve")
     uvicorn = require("uvicorn", "serve", "scratchlm serve")
@@ -141,16 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
 
-    def load() -> tuple:
-        model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
-        return model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype])), config
-
-    model, config = off_the_main_thread(load)
-    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
-    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
-    say_if_not_compiled(args.compile, model, "scratchlm serve")
-    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue,
-                    compile=args.compile)
+    model, tokenizer = off_the_main_thread(lambda: load_model_and_tokenizer(args, "serve"))
+    engine = Engine(model, tokenizer, eos_id=end_of_text_id(tokenizer), max_batch=limits.max_batch,
+                    max_queue=limits.max_queue, compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
     app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)
     try:
