@@ -83,7 +83,8 @@ class ConversationData:
         row_length = config.model.context_length + 1
         rendered = [render_example(e, tokenizer, train_on_prompt=config.data.train_on_prompt) for e in examples]
         cut = [r for r in rendered if len(r) > row_length]
-        kept = [r for r in (_cut(r, row_length) for r in rendered) if r.counted[1:].any()]
+        kept = [Rendered(r.ids[:row_length], r.counted[:row_length], r.where) for r in rendered]  # (views)
+        kept = [r for r in kept if r.counted[1:].any()]
         if not kept:
             raise UserError(f"none of the {len(rendered)} {what} records has a token to learn within the model's "
                             f"context of {config.model.context_length} tokens")
@@ -109,12 +110,6 @@ class ConversationData:
     def validation_batches(self, config: RunConfig, device: torch.device,
                            max_batches: int | None) -> Iterator[MaskedBatch]:
         return row_batches(self.val_rows, config.micro_batch_size, device, max_batches)
-
-
-def _cut(rendered: Rendered, length: int) -> Rendered:
-    if len(rendered) <= length:
-        return rendered
-    return Rendered(rendered.ids[:length], rendered.counted[:length], rendered.where)
 
 
 def _with_chatml(config: RunConfig, tokenizer: Tokenizer,
