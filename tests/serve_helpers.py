@@ -22,7 +22,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the [serve] extra (fastapi, uvi
 from scratchlm.generate.engine import Engine  # noqa: E402
 from scratchlm.model import ModelConfig, TransformerLM  # noqa: E402
 from scratchlm.serve.app import create_app  # noqa: E402
-from scratchlm.serve.limits import Limits  # noqa: E402
+from scratchlm.serve.commands import Limits  # noqa: E402
 from scratchlm.tokenizer import Tokenizer  # noqa: E402
 
 EOS = 256

@@ -13,7 +13,7 @@ import torch
 from conftest import require_shared
 from scratchlm.errors import UserError
 from scratchlm.finetune.conversations import Completion, Conversation, read_examples
-from scratchlm.finetune.growth import grow_vocabulary
+from scratchlm.finetune.data import grow_vocabulary
 from scratchlm.finetune.packing import RowSampler, build_rows
 from scratchlm.finetune.rendering import Rendered, render_example
 from scratchlm.model.config import ModelConfig

@@ -21,7 +21,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-SOURCES = ("hh-rlhf", "tinystories")
 _TURN = re.compile(r"\n\n(Human|Assistant): ")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
 _NAMED = re.compile(r"\bnamed ([A-Z][a-z]+)")
@@ -102,12 +101,3 @@ def story_request(story: str, rng: random.Random) -> str:
 
 def _joined(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def conversations(kind: str, path: str | Path, seed: int = 0) -> Iterator[dict]:
-    """The conversations of ``path`` read as ``kind`` (one of SOURCES)."""
-    if kind == "hh-rlhf":
-        return hh_rlhf_conversations(path)
-    if kind == "tinystories":
-        return tinystories_conversations(path, seed)
-    raise ValueError(f"unknown conversation source {kind!r}; choose from {', '.join(SOURCES)}")

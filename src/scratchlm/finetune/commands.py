@@ -104,7 +104,7 @@ def run_conversations(args: argparse.Namespace) -> int:
     import tempfile
 
     from scratchlm.errors import UserError
-    from scratchlm.finetune.builders import conversations
+    from scratchlm.finetune.builders import hh_rlhf_conversations, tinystories_conversations
     from scratchlm.output_paths import refuse_inputs
 
     out = Path(args.out)
@@ -115,11 +115,13 @@ def run_conversations(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be positive, got {args.limit}")
     if not Path(args.input).is_file():
         raise FileNotFoundError(f"{args.input} does not exist")
+    records = (hh_rlhf_conversations(args.input) if args.kind == "hh-rlhf"
+               else tinystories_conversations(args.input, args.seed))
     count = 0
     handle, temporary = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
-            for record in itertools.islice(conversations(args.kind, args.input, args.seed), args.limit):
+            for record in itertools.islice(records, args.limit):
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
                 count += 1
         os.replace(temporary, out)

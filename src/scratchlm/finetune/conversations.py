@@ -1,20 +1,10 @@
 """Reading fine-tuning data: JSON lines of conversations or prompt-completion pairs, each record checked.
 
-The record formats Hugging Face TRL's SFTTrainer reads for supervised fine-tuning:
-
-- conversational: ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``; rendered
-  with the tokenizer's chat template, and the loss counts the assistant's turns;
-- conversational prompt-completion: ``{"prompt": [messages], "completion": [messages]}``; the conversation prompt +
-  completion, rendered alike, and the loss counts the completion's assistant turns only (``trained_from``), not
-  those of the prompt (TRL trains on the completion of a prompt-completion record);
-- prompt-completion: ``{"prompt": "...", "completion": "..."}``; plain text (no template), the completion followed
-  by the end-of-text token, and the loss counts the completion.
-
-A content may be a string or a list of text parts (tokenizer/chat_template.py's ``check_messages``).
-
-Inputs are what ``data encode`` reads (data/sources.py): files, folders and globs of ``.jsonl`` / ``.json``
-(optionally ``.gz`` / ``.zst``). Every record is checked before anything is trained or written: a bad one is one
-line naming the file, the line and the field (``data.jsonl:7: messages[2].role: unknown role 'bot' ...``).
+The record formats Hugging Face TRL's SFTTrainer reads: ``{"messages": [...]}`` (the loss counts the assistant's
+turns); ``{"prompt": [messages], "completion": [messages]}`` (the loss counts the completion's assistant turns
+only); ``{"prompt": "...", "completion": "..."}`` (plain text, no template; the loss counts the completion).
+Inputs are what ``data encode`` reads (files, folders, globs of ``.jsonl`` / ``.json``, optionally compressed). A
+bad record is one line naming the file, the line and the field (``data.jsonl:7: messages[2].role: ...``).
 """
 
 from __future__ import annotations

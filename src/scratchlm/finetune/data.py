@@ -1,16 +1,10 @@
 """What a fine-tuning run trains on: conversations read and checked, rendered with the run's tokenizer, in rows.
 
 ``ConversationData`` is the trainer's data when data.format = conversations (train/resolve.py calls it; the
-trainer knows nothing of conversations). In the order a run starts:
-
-1. ``read(config)``: every record of data.train_path (and data.val_path, or a held-out data.val_fraction of the
-   records, chosen by train.seed) is read and checked before anything is written (conversations.py);
-2. ``prepare(config, tokenizer, source)``: a tokenizer without a chat template gets ChatML, and the weights the run
-   starts from get the rows of its two new tokens (growth.py; a resumed run's own tokenizer has it already);
-   every example is rendered (rendering.py), cut to model.context_length + 1 tokens when longer, and laid out in
-   rows (packing.py, data.packing); the config records the tokenizer's hash and the vocabulary that holds it;
-3. ``sampler``: the training batches (a seeded ``RowSampler``, resumable); ``validation_batches``: the held-out
-   rows in order, the same every evaluation.
+trainer knows nothing of conversations). ``read`` checks every record before anything is written; ``prepare``
+gives a tokenizer without a chat template ChatML (and the starting weights rows for its tokens),
+renders every example, cut to model.context_length + 1 tokens, and lays them out in rows (data.packing);
+``sampler`` draws the training batches, ``validation_batches`` the held-out rows in order.
 """
 
 from __future__ import annotations
@@ -30,10 +24,13 @@ from scratchlm.errors import UserError
 from scratchlm.finetune.conversations import Conversation, Example, read_examples
 from scratchlm.finetune.packing import Rows, RowSampler, build_rows, row_batches
 from scratchlm.finetune.rendering import Rendered, render_example
+from scratchlm.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.train.init_from import InitSource
+
+ROW_MATRICES = ("token_embeddings.weight", "lm_head.weight")  # (vocab_size, d_model) each; one tensor when tied
 
 
 @dataclass
@@ -86,7 +83,8 @@ class ConversationData:
         row_length = config.model.context_length + 1
         rendered = [render_example(e, tokenizer, train_on_prompt=config.data.train_on_prompt) for e in examples]
         cut = [r for r in rendered if len(r) > row_length]
-        kept = [r for r in (_cut(r, row_length) for r in rendered) if r.counted[1:].any()]
+        kept = [Rendered(r.ids[:row_length], r.counted[:row_length], r.where) for r in rendered]  # (views)
+        kept = [r for r in kept if r.counted[1:].any()]
         if not kept:
             raise UserError(f"none of the {len(rendered)} {what} records has a token to learn within the model's "
                             f"context of {config.model.context_length} tokens")
@@ -114,17 +112,10 @@ class ConversationData:
         return row_batches(self.val_rows, config.micro_batch_size, device, max_batches)
 
 
-def _cut(rendered: Rendered, length: int) -> Rendered:
-    if len(rendered) <= length:
-        return rendered
-    return Rendered(rendered.ids[:length], rendered.counted[:length], rendered.where)
-
-
 def _with_chatml(config: RunConfig, tokenizer: Tokenizer,
                  source: InitSource | None) -> tuple[RunConfig, Tokenizer]:
-    """The tokenizer with ChatML, and the config (and the source's weights) with rows for its new tokens."""
-    from scratchlm.finetune.growth import grow_vocabulary
-
+    """The tokenizer with ChatML (``<|im_start|>ROLE\\n ... <|im_end|>\\n``: two special tokens after the vocabulary,
+    and the template), and the config (and the source's weights) with rows for its new tokens."""
     grown = tokenizer.with_chatml()
     new_ids = [grown.special_id(token) for token in grown.special_tokens if token not in tokenizer.special_tokens]
     if source is None:
@@ -132,3 +123,32 @@ def _with_chatml(config: RunConfig, tokenizer: Tokenizer,
                         "rows: start the fine-tuning from a model (--init-from)")
     model = grow_vocabulary(config.model, source.weights, tokenizer.vocab_size, new_ids)
     return dataclasses.replace(config, model=model), grown
+
+
+def grow_vocabulary(model: ModelConfig, weights: dict[str, torch.Tensor], old_size: int,
+                    new_ids: list[int]) -> ModelConfig:
+    """Give ``weights`` (a state dict, changed in place) rows for ``new_ids``, each the mean of the rows of ids
+    below ``old_size`` (the tokens the model knows); returns the model config with the vocabulary that holds them.
+
+    A new row starts as the mean rather than at random: its embedding is then a typical input and its logit a
+    typical score (Hewitt, "Initializing new word embeddings for pretrained language models", 2021). A vocabulary
+    padded past the tokenizer's (model.pad_vocab_to) may hold the new ids already: the matrices grow only when
+    they must."""
+    needed = max(new_ids, default=-1) + 1
+    grown = dataclasses.replace(model, vocab_size=max(model.vocab_size, needed))  # rounded up to pad_vocab_to
+    done: dict[int, torch.Tensor] = {}  # tied matrices: grow the one tensor once
+    for name in ROW_MATRICES:
+        matrix = weights[name]
+        if id(matrix) not in done:
+            done[id(matrix)] = _with_mean_rows(matrix, grown.vocab_size, old_size, new_ids)
+        weights[name] = done[id(matrix)]
+    return grown
+
+
+def _with_mean_rows(matrix: torch.Tensor, size: int, old_size: int, new_ids: list[int]) -> torch.Tensor:
+    """``matrix`` (V, d) with ``size`` rows, the ``new_ids`` rows (and any other added ones) the mean of its first
+    ``old_size`` rows, computed in float64."""
+    mean = matrix[:old_size].double().mean(dim=0).to(matrix.dtype)  # (d,)
+    grown = torch.cat([matrix, mean.expand(size - matrix.shape[0], -1)]) if size > matrix.shape[0] else matrix.clone()
+    grown[new_ids] = mean
+    return grown

@@ -1,21 +1,14 @@
 """Rendered examples -> the rows of training batches, and a seeded, resumable sampler over them.
 
-A row holds ``row_length`` = context_length + 1 tokens: its first T are the inputs, its last T the targets. Two
-ways to fill rows:
+A row holds ``row_length`` = context_length + 1 tokens: its first T are the inputs, its last T the targets.
+**packed** (the default) puts several examples in a row, best-fit decreasing, so few slots are padding; each token
+carries the index of its example (``documents``), and the model keeps attention and positions inside each example
+(``TransformerLM(document_ids=...)``), so every example is computed exactly as alone. **padded** puts one example
+in a row, and a batch is cut to its longest row (right padding, which causal attention never reads).
 
-- **packed** (the default): several examples a row, placed best-fit decreasing (longest first, each into the row
-  with the least room that still holds it), so few slots are padding. Each token carries the index of its example
-  (``documents``); the model keeps attention inside each example and restarts its positions there
-  (``TransformerLM(document_ids=...)``), so every example is computed exactly as alone (tests/test_finetune_packing.py).
-- **padded**: one example a row; a batch is cut to its longest row (right padding, which causal attention never
-  reads from a real token).
-
-A target counts when its token is one the loss counts (rendering.py) and belongs to the same example as the input
-before it; every other target is ``IGNORED`` (the loss skips it). An example longer than a row was cut to
-``row_length`` tokens before (data.py).
-
-``RowSampler`` draws batches of rows: each epoch is a permutation of the rows, seeded by (seed, rank, epoch), so its
-state is three integers and a resume continues exactly.
+A target counts when the loss counts its token (rendering.py) and it belongs to the same example as the input
+before it; every other target is ``IGNORED``. ``RowSampler``'s epochs are permutations seeded by (seed, rank,
+epoch), so its state is three integers and a resume continues exactly.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """An example -> its token ids and which of them the loss counts (the assistant's tokens, end-of-turn included).
 
-A conversation is rendered whole with the tokenizer's chat template and encoded once: the ids the model trains on
-are those ``apply_chat_template(messages, tokenize=True)`` gives. Which ids are the assistant's is derived from the
-template itself, not from knowledge of any one format. For the assistant message ``i``:
+A conversation is rendered whole with the tokenizer's chat template and encoded once. Which ids are the
+assistant's is derived from the template itself, not from knowledge of any one format: the turn of assistant
+message ``i`` (from ``trained_from`` on) starts after the ids of ``messages[:i]`` rendered with the generation
+prompt (``<|im_start|>assistant\\n`` in ChatML), which must be a prefix of the conversation's ids, and ends at the
+first end-of-turn id after that (``<|im_end|>``, ``<|eot_id|>``), which counts too: the model learns to end its
+turn. Without end-of-turn ids it ends where ``messages[:i + 1]`` rendered alone ends. A template that renders
+earlier turns differently once more follow cannot be split this way, and the record is refused rather than
+trained on a guessed mask.
 
-- its turn starts where the prompt for it ends: the ids of ``messages[:i]`` rendered with
-  ``add_generation_prompt=True`` (the header a model completes, ``<|im_start|>assistant\\n`` in ChatML) must be a
-  prefix of the whole conversation's ids, and the turn starts right after them;
-- it ends at the first end-of-turn id after that (``Tokenizer.end_of_turn_ids``: ChatML's ``<|im_end|>``, Llama 3's
-  ``<|eot_id|>``), which counts too: the model learns to end its turn. A tokenizer without end-of-turn ids ends it
-  where ``messages[:i + 1]`` rendered alone ends, which must be a prefix as well.
-
-Only the assistant messages from ``trained_from`` on count: a conversational prompt-completion record's prompt is
-rendered whole, assistant turns and all, but the loss counts its completion's turns only.
-
-A template for which a prefix is not a prefix (it renders earlier turns differently once more follow) cannot be
-split this way, and the record is refused, naming it, rather than trained on a guessed mask. (Qwen3's template
-adds an empty think block to the last assistant turn only; its turns are still found, since each ends at
-``<|im_end|>``.)
-
-A prompt-completion pair is plain text: the prompt's ids, the completion's, then the end-of-text token, and the
-loss counts the completion and the end. ``train_on_prompt`` counts every token instead (as pretraining does).
+A prompt-completion pair is plain text: prompt, completion, end-of-text, and the loss counts the completion and
+the end. ``train_on_prompt`` counts every token instead (as pretraining does).
 """
 
 from __future__ import annotations
@@ -32,11 +22,10 @@ import numpy as np
 
 from scratchlm.errors import UserError
 from scratchlm.finetune.conversations import Completion, Conversation, Example
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN as END_OF_TEXT
 
 if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
-
-END_OF_TEXT = "<|endoftext|>"
 
 
 @dataclass(frozen=True)

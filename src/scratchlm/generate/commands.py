@@ -11,14 +11,12 @@ samples are drawn one after another (sample i uses seed S + i), each streamed li
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 from pathlib import Path
 
 from scratchlm.config import TORCH_DTYPE_NAMES
 from scratchlm.model_args import add_cs336_checkpoint_arguments, load_model_for_command
 
-EOS_TOKEN = "<|endoftext|>"
 DTYPES = ("fp32", "bf16")  # train.dtype names (config.TORCH_DTYPE_NAMES): weights and KV cache
 
 EPILOG = """examples:
@@ -44,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", action="append", help="text to continue (default: start a new document); "
                         "give it again for more prompts, decoded together")
     add_sampling_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--num-samples", type=int, default=1, help="how many samples (default: 1)")
     add_cs336_checkpoint_arguments(parser)
     parser.set_defaults(func=run_generate)
@@ -62,17 +61,22 @@ def register_chat(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", type=Path, metavar="RUN", help="run directory or checkpoint directory")
     parser.add_argument("--system", default=None, help="a system message that starts the conversation")
     add_sampling_arguments(parser)
+    add_model_arguments(parser)
     parser.set_defaults(func=run_chat, cs336_checkpoint=None, model_config=None, preset=None, model_overrides=[])
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sampling, tokenizer and device flags of `generate`, which `chat` takes too."""
+    """The sampling flags of `generate`, which `chat` takes too."""
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="token budget per sample (default: what the context leaves after the prompt, at most 256)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 disables (default: 0.9)")
     parser.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer, device, dtype and --compile flags of `generate`, `chat` and `serve`."""
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's "
                                                                       "copy, RUN/tokenizer)")
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
@@ -86,7 +90,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model_and_tokenizer(args: argparse.Namespace, command: str):
-    """(model in --dtype on --device, its run's tokenizer) for a command with add_sampling_arguments' flags; the
+    """(model in --dtype on --device, its run's tokenizer) for a command with add_model_arguments' flags; the
     tokenizer is the run's own (or --tokenizer), refused when its hash is not the run's."""
     import torch
 
@@ -107,11 +111,12 @@ def load_model_and_tokenizer(args: argparse.Namespace, command: str):
 def run_generate(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.generate.decoding import generate, stream
+    from scratchlm.generate.text import end_of_text_id
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     model, tokenizer = load_model_and_tokenizer(args, "generate")
-    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
+    eos_id = end_of_text_id(tokenizer)
     texts = args.prompt or [""]
     prompts = [tokenizer.encode(text) if text else ([eos_id] if eos_id is not None else []) for text in texts]
     if not all(prompts):
@@ -177,16 +182,18 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def write_stream(prompt: str, token_ids, tokenizer, out) -> None:
     """Write the prompt, then each token's text as soon as its UTF-8 characters are complete."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    from scratchlm.generate.text import TextStream
+
+    stream = TextStream(tokenizer)
     out.write(prompt)
     out.flush()
     for token_id in token_ids:
         if token_id is None:  # the row stopped (end of text)
             break
-        if text := decoder.decode(tokenizer.decode_bytes([token_id])):
+        if text := stream.add(token_id):
             out.write(text)
             out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
+    out.write(stream.finish() + "\n")
     out.flush()
 
 

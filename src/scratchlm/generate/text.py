@@ -1,8 +1,8 @@
 """Token ids -> completion text as it is sampled: incremental UTF-8 decoding and stop strings.
 
 A token can end in the middle of a multi-byte character, so an incremental decoder keeps the trailing bytes until
-the character completes (and a leftover becomes U+FFFD at the end), exactly as `scratchlm generate` prints
-(generate/commands.py `write_stream`). A stop string ends the completion before it; text that might be the start
+the character completes (and a leftover becomes U+FFFD at the end), exactly as `scratchlm generate` prints.
+A stop string ends the completion before it; text that might be the start
 of one is held back until it is clear that it is not, so a streamed completion never shows part of a stop string.
 """
 
@@ -11,6 +11,12 @@ from __future__ import annotations
 import codecs
 
 from scratchlm.tokenizer import Tokenizer
+from scratchlm.tokenizer.formats.hf import EOS_TOKEN
+
+
+def end_of_text_id(tokenizer: Tokenizer) -> int | None:
+    """The id of <|endoftext|>, which ends a document (and starts a new one); None when the tokenizer has none."""
+    return tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
 
 
 class TextStream:

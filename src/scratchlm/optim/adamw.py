@@ -14,11 +14,9 @@ per-tensor path and the multi-tensor path (``torch._foreach_*``, one call per (d
 bit-identical trajectories to it; the tests hold us to that. The learning rate is read from
 ``param_group["lr"]`` at every step, so a schedule just writes that float.
 
-Speed: the multi-tensor path keeps the denominators ``sqrt(v) / sqrt(1 - b2^t) + eps`` in buffers reused
-across steps (one per parameter, not part of the state dict) instead of allocating them each step as
-``torch._foreach_sqrt`` does: fresh allocations of the size of the model are page-faulted in again on every
-step on CPU, and that cost is most of the difference measured in benchmarks/bench_optim.py. Peak memory is
-the same as torch's (it holds that temporary too, during the step).
+The multi-tensor path keeps the denominators ``sqrt(v) / sqrt(1 - b2^t) + eps`` in buffers reused across steps
+(not part of the state dict) where ``torch._foreach_sqrt`` allocates them anew: on a CPU, fresh model-sized
+allocations are page-faulted in again on every step. Peak memory is the same as torch's.
 """
 
 from __future__ import annotations

@@ -35,16 +35,14 @@ def recipe_param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, 
         return param_groups_for(model, optim.weight_decay)
     muon, matrices, embeddings, head, gains = _split_by_role(model, optim)
     scale = lambda lr: (optim.lr if lr is None else lr) / optim.lr  # noqa: E731 - a one-line helper
-    groups = [{"params": muon, "weight_decay": optim.weight_decay, "lr_scale": optim.muon_lr / optim.lr,
-               "algorithm": "muon"},
+    groups = [{"params": muon, "weight_decay": optim.weight_decay, "lr_scale": optim.muon_lr / optim.lr},
               {"params": matrices, "weight_decay": optim.weight_decay, "lr_scale": 1.0},
               {"params": embeddings, "weight_decay": optim.weight_decay, "lr_scale": scale(optim.embedding_lr)},
               {"params": head, "weight_decay": optim.weight_decay, "lr_scale": scale(optim.head_lr)},
               {"params": gains, "weight_decay": 0.0, "lr_scale": 1.0}]
-    for group in groups[1:]:
-        group["algorithm"] = "adamw"
-    if optim.optimizer == "adamw":  # one update rule: AdamW takes groups without the tag
-        groups = [{k: v for k, v in group.items() if k != "algorithm"} for group in groups]
+    if optim.optimizer == "muon":  # the hybrid optimizer's tag; AdamW alone takes groups without it
+        for group in groups:
+            group["algorithm"] = "muon" if group is groups[0] else "adamw"
     return [group for group in groups if group["params"]]
 
 

@@ -52,7 +52,7 @@ def validate_muon(group: dict[str, Any]) -> None:
         raise ValueError(f"Muon: invalid weight_decay {weight_decay!r} (must be >= 0)")
     if not eps >= 0.0:
         raise ValueError(f"Muon: invalid eps {eps!r} (must be >= 0)")
-    if group.get("ns_dtype", "bfloat16") not in NS_DTYPES:
+    if group["ns_dtype"] not in NS_DTYPES:
         raise ValueError(f"Muon: invalid ns_dtype {group['ns_dtype']!r} (one of {sorted(NS_DTYPES)})")
     if len(coefficients) != 3:
         raise ValueError(f"Muon: ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
@@ -63,21 +63,14 @@ def validate_muon(group: dict[str, Any]) -> None:
 
 
 def refuse_last_group_unless_matrices(optimizer: torch.optim.Optimizer) -> None:
-    """``require_matrices`` on the group just added (its params are known only once torch has added it); a
-    refused group is removed again, leaving no trace."""
-    try:
-        require_matrices(optimizer.param_groups[-1], len(optimizer.param_groups) - 1)
-    except ValueError:
-        optimizer.param_groups.pop()
-        raise
-
-
-def require_matrices(group: dict[str, Any], group_index: int) -> None:
-    """Refuses a group holding a parameter that is not a 2-D matrix, naming it (by name where the group has
-    ``param_names``, i.e. params were given as ``(name, param)`` pairs, else by position)."""
+    """Refuses the group just added (its params are known only once torch has added it) if it holds a parameter
+    that is not a 2-D matrix, naming it (by name where params were given as ``(name, param)`` pairs, else by
+    position); the refused group is removed again, leaving no trace."""
+    group, group_index = optimizer.param_groups[-1], len(optimizer.param_groups) - 1
     names = group.get("param_names")
     for index, param in enumerate(group["params"]):
         if param.dim() != 2:
+            optimizer.param_groups.pop()
             which = f"{names[index]!r}" if names else f"number {index}"
             raise ValueError(f"Muon: parameter {which} of param group {group_index} has shape {tuple(param.shape)}; "
                              "Muon only updates 2-D matrices: give it to AdamW")

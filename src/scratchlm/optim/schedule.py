@@ -17,12 +17,10 @@ the cool-down is where most of the loss drop shows.
     decay_start <= it <= total: min_lr + (max_lr - min_lr) * (1 - p)  or  * (1 - sqrt(p)),
                                 p = (it - decay_start) / (total - decay_start)
 
-Being pure functions of the iteration, a resumed run recomputes the same rate without saving any state; the
-trainer writes the value into each ``param_group["lr"]`` before ``optimizer.step()``.
-
-A time-budgeted run moves its end as it goes (train/budget.py), and a decay that is already under way must then
-continue from where it stands, never jump up: ``Replanned`` says where the decay's progress p stands at an anchor
-step and where it reaches 1 (min_lr); both schedules take one in place of the p their formula above gives.
+A resumed run recomputes the same rate without saving any state. A time-budgeted run moves its end as it goes
+(train/budget.py), and a decay already under way must then continue from where it stands, never jump up: both
+schedules take a ``Replanned`` (where the decay's progress p stands at an anchor step, and where it reaches 1) in
+place of the p their formula gives.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """The FastAPI application: the OpenAI completions routes over an `Engine`, the API key and the playground page.
 
 Routes: POST /v1/completions and POST /v1/chat/completions (JSON, or server-sent events with `stream`), GET
-/v1/models, GET /health (no key: for load balancers and scripts), GET / (the playground, static/playground.html).
-Every error is OpenAI's error object (protocol.py). With an API key, /v1/* need `Authorization: Bearer KEY`,
-compared in constant time (hmac.compare_digest); the key is never logged or echoed.
+/v1/models, GET /health (no key), GET / (static/playground.html). Every error is OpenAI's error object. With an API
+key, /v1/* need `Authorization: Bearer KEY`, compared in constant time; the key is never logged or echoed.
 
-A request becomes one engine `Sequence` per choice (prompt x n; choice j of a prompt samples with seed + j, as
-`scratchlm generate --num-samples` does). A chat request is a completion whose one prompt is its messages rendered
-by the tokenizer's chat template (ending with the header of the assistant's turn), and whose sequences also stop
-at the tokenizer's end-of-turn ids: the same code runs both, only the response objects differ (protocol.py). A
-model without a chat template gets a 400. The engine thread hands events to the request's asyncio queue with
-`call_soon_threadsafe`. A request that ends for any reason (done, client gone, timeout, error) cancels its
-sequences, so a client that disconnects mid-stream frees its batch slots at the next decoding step.
-The engine emits a token per active request per decoding step; `_Delivery` hands each step's events to the
-event loop in one wakeup, and a stream writes every event that has arrived in one write: with 8 streams, the
-per-token wakeups and writes cost the engine's core more than the batched forward pass saves.
+A request becomes one engine `Sequence` per choice (prompt x n; choice j samples with seed + j, as `scratchlm
+generate --num-samples` does). A chat request is a completion whose one prompt is its messages rendered by the
+chat template, stopping at the tokenizer's end-of-turn ids too: only its response objects differ. A request that
+ends for any reason (done, client gone, timeout, error) cancels its sequences, freeing their batch slots at the
+next decoding step. `_Delivery` hands each decoding step's events to the event loop in one wakeup, and a stream
+writes every event that has arrived in one write: with 8 streams, per-token wakeups and writes would cost the
+engine's core more than the batched forward pass saves.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import hmac
 import json
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from importlib import resources
@@ -37,10 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scratchlm.errors import UserError
 from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve import protocol
-from scratchlm.serve.limits import Limits
+from scratchlm.serve.commands import Limits
 from scratchlm.serve.protocol import APIError, CompletionRequest, Logprobs, error_body
 
-EOS_TOKEN = "<|endoftext|>"
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.05
 
@@ -48,7 +44,6 @@ DISCONNECT_POLL_SECONDS = 0.05
 def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="scratchlm", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer = engine.tokenizer
-    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
     created = int(time.time())
     playground = resources.files("scratchlm.serve").joinpath("static/playground.html").read_text(encoding="utf-8")
     deliveries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Delivery] = weakref.WeakKeyDictionary()
@@ -101,7 +96,8 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
         unavailable(engine)
         body = await _read_body(request, limits)
         parsed = protocol.parse_completion(body, model_name=model_name, limits=limits)
-        return await respond(request, _Completion(parsed, [_prompt_ids(p, tokenizer, eos_id) for p in parsed.prompts]))
+        prompt_ids = [_prompt_ids(prompt, tokenizer, engine.eos_id) for prompt in parsed.prompts]
+        return await respond(request, _Completion(parsed, prompt_ids, tokenizer, model_name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -121,7 +117,8 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
         if max_tokens is None:  # OpenAI's default: as many as the context leaves (here, up to the server's limit)
             max_tokens = max(1, min(limits.max_tokens, engine.model.config.context_length + 1 - len(ids)))
         parsed = dataclasses.replace(parsed, prompts=[ids], max_tokens=max_tokens)
-        return await respond(request, _Completion(parsed, [ids], stop_ids=tokenizer.end_of_turn_ids))
+        return await respond(request, _Completion(parsed, [ids], tokenizer, model_name,
+                                                  stop_ids=tokenizer.end_of_turn_ids))
 
     async def respond(request: Request, run: _Completion) -> Response:
         """Submit a request's sequences to the engine and answer: JSON, or a stream of events."""
@@ -144,10 +141,9 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
             raise
         deadline = loop.time() + limits.request_timeout
         if parsed.stream:
-            return StreamingResponse(_stream(run, deadline, request, tokenizer, model_name),
-                                     media_type="text/event-stream",
+            return StreamingResponse(_stream(run, deadline, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _collect(run, deadline, request, tokenizer, model_name)
+        return await _collect(run, deadline, request)
 
     return app
 
@@ -190,7 +186,7 @@ class _Delivery:
 class _Choice:
     """What one sequence has produced so far."""
     prompt_ids: list[int]
-    echo_text: str | None  # the prompt as text (decoded from its ids when needed)
+    echo_text: str | None  # the prompt as text, for a request with echo
     text: list[str] = field(default_factory=list)
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
@@ -201,11 +197,12 @@ class _Completion:
     """One request: its choices, the sequences computing them and the queue their events arrive on. A chat request
     (`chat`) has one prompt, its rendered messages, and stops at stop_ids too (the end-of-turn ids)."""
 
-    def __init__(self, request: CompletionRequest, prompt_ids: list[list[int]], *,
+    def __init__(self, request: CompletionRequest, prompt_ids: list[list[int]], tokenizer, model_name: str, *,
                  stop_ids: tuple[int, ...] = ()) -> None:
         self.request, self.prompt_ids, self.stop_ids = request, prompt_ids, stop_ids
+        self.tokenizer, self.model_name = tokenizer, model_name
         self.chat = request.messages is not None
-        self.id = protocol.completion_id(self.chat)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[_Choice] = []
@@ -223,7 +220,8 @@ class _Completion:
                                     prompt_logprobs=request.echo and request.logprobs is not None,
                                     stop_ids=self.stop_ids)
                 self._sequences.append(Sequence(ids, sampling, self._emitter(delivery, index)))
-                self.choices.append(_Choice(ids, prompt if isinstance(prompt, str) else None))
+                echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else None
+                self.choices.append(_Choice(ids, echo))
         return self._sequences
 
     def _emitter(self, delivery: _Delivery, index: int):
@@ -254,6 +252,11 @@ class _Completion:
     def usage(self) -> dict:
         prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
         return protocol.usage(prompt_tokens, sum(c.completion_tokens for c in self.choices))
+
+    def body(self, choices: list[dict], usage: dict | None = None, *, chunk: bool = False) -> dict:
+        """The response object with these choices; with `chunk`, a chunk of the stream."""
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return protocol.completion_object(self.id, self.model_name, kind, choices, usage, self.created)
 
 
 def _prompt_ids(prompt: str | list[int], tokenizer, eos_id: int | None) -> list[int]:
@@ -296,12 +299,6 @@ def _top(tokenizer, top: dict[int, float] | None) -> dict[str, float] | None:
     return texts
 
 
-def _echo(choice: _Choice, tokenizer) -> str:
-    if choice.echo_text is None:
-        choice.echo_text = tokenizer.decode(choice.prompt_ids)
-    return choice.echo_text
-
-
 def _apply(choice: _Choice, event: object, tokenizer, logprobs: Logprobs | None) -> str:
     """Record an event in its choice; returns the new text. A Failed event raises APIError."""
     if isinstance(event, Token):
@@ -323,13 +320,12 @@ def _apply(choice: _Choice, event: object, tokenizer, logprobs: Logprobs | None)
     raise APIError(status, event.message, kind="server_error", code=event.kind)
 
 
-async def _collect(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str) -> Response:
-    echo = run.request.echo
+async def _collect(run: _Completion, deadline: float, request: Request) -> Response:
     for choice in run.choices:
         if run.request.logprobs is not None:
             choice.logprobs = Logprobs()
-        if echo:
-            choice.text.append(_echo(choice, tokenizer))
+        if choice.echo_text is not None:
+            choice.text.append(choice.echo_text)
     pending = len(run.choices)
     try:
         while pending:
@@ -341,19 +337,19 @@ async def _collect(run: _Completion, deadline: float, request: Request, tokenize
                 return Response(status_code=499)  # nobody reads it; the sequences are cancelled below
             for index, event in arrived:
                 choice = run.choices[index]
-                _apply(choice, event, tokenizer, choice.logprobs)
+                _apply(choice, event, run.tokenizer, choice.logprobs)
                 pending -= isinstance(event, Finished)
     finally:
         run.cancel()
     if run.chat:
         choices = [protocol.chat_choice(i, "".join(c.text), c.finish_reason) for i, c in enumerate(run.choices)]
-        return JSONResponse(protocol.chat_completion_object(run.id, model_name, choices, run.usage(), run.created))
-    choices = [protocol.choice(i, "".join(c.text), c.finish_reason, c.logprobs.object() if c.logprobs else None)
-               for i, c in enumerate(run.choices)]
-    return JSONResponse(protocol.completion_object(run.id, model_name, choices, run.usage(), run.created))
+    else:
+        choices = [protocol.choice(i, "".join(c.text), c.finish_reason, c.logprobs.object() if c.logprobs else None)
+                   for i, c in enumerate(run.choices)]
+    return JSONResponse(run.body(choices, run.usage()))
 
 
-async def _stream(run: _Completion, deadline: float, request: Request, tokenizer, model_name: str):
+async def _stream(run: _Completion, deadline: float, request: Request):
     """Server-sent events: a chunk per piece of text (and per echo), a final chunk per choice with its
     finish_reason, the usage if asked, then [DONE]; an error ends the stream with an error event instead. A chat
     stream's chunks are chat.completion.chunk objects, led by one per choice whose delta names the role.
@@ -363,21 +359,17 @@ async def _stream(run: _Completion, deadline: float, request: Request, tokenizer
     def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: Logprobs | None = None) -> str:
         if run.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            return _event(protocol.chat_completion_object(run.id, model_name, [protocol.chat_delta(
-                index, delta, finish_reason)], None, run.created, chunk=True))
-        body = protocol.completion_object(run.id, model_name, [protocol.choice(
-            index, text, finish_reason, logprobs.object() if logprobs else None)], None, run.created)
-        return _event(body)
+            return _event(run.body([protocol.chat_delta(index, delta, finish_reason)], chunk=True))
+        return _event(run.body([protocol.choice(index, text, finish_reason, logprobs.object() if logprobs else None)]))
 
     offsets = [0] * len(run.choices)
     try:
         if run.chat:  # OpenAI's first delta of each choice names the role
-            yield "".join(_event(protocol.chat_completion_object(run.id, model_name, [protocol.chat_delta(
-                index, {"role": "assistant", "content": ""}, None)], None, run.created, chunk=True))
-                for index in range(len(run.choices)))
+            yield "".join(_event(run.body([protocol.chat_delta(index, {"role": "assistant", "content": ""}, None)],
+                                          chunk=True)) for index in range(len(run.choices)))
         if run.request.echo:
             for index, choice in enumerate(run.choices):
-                offsets[index] = len(_echo(choice, tokenizer))
+                offsets[index] = len(choice.echo_text)
                 yield chunk(index, choice.echo_text)
         pending = len(run.choices)
         loop = asyncio.get_running_loop()
@@ -397,7 +389,7 @@ async def _stream(run: _Completion, deadline: float, request: Request, tokenizer
                 choice = run.choices[index]
                 logprobs = Logprobs(offsets[index]) if run.request.logprobs is not None else None
                 try:
-                    text = _apply(choice, event, tokenizer, logprobs)
+                    text = _apply(choice, event, run.tokenizer, logprobs)
                 except APIError as error:
                     yield "".join(written) + _event(error.body())
                     return
@@ -411,9 +403,7 @@ async def _stream(run: _Completion, deadline: float, request: Request, tokenizer
             if written:
                 yield "".join(written)
         if run.request.include_usage:
-            usage = (protocol.chat_completion_object(run.id, model_name, [], run.usage(), run.created, chunk=True)
-                     if run.chat else protocol.completion_object(run.id, model_name, [], run.usage(), run.created))
-            yield _event(usage)
+            yield _event(run.body([], run.usage(), chunk=True))
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away (the response is cancelled)
         run.cancel()

@@ -13,14 +13,14 @@ import argparse
 import concurrent.futures
 import ipaddress
 import os
+import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from scratchlm.config import TORCH_DTYPE_NAMES
-from scratchlm.generate.commands import DTYPES, EOS_TOKEN, say_if_not_compiled
-from scratchlm.serve.limits import Limits
+from scratchlm.generate.commands import add_model_arguments, load_model_and_tokenizer
 
 T = TypeVar("T")
 
@@ -36,6 +36,29 @@ LIMIT_FLAGS = {
     "max_choices": "prompts x n in one request",
     "request_timeout": "seconds a request may take",
 }
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for and how much waiting the server accepts (docs/serving.md). A request over a
+    limit gets an OpenAI error object: 413 for the body, 400 for a field, 429 with Retry-After for a full queue,
+    504 after the request timeout."""
+
+    max_body_bytes: int = 1_000_000  # a request body larger than this is refused (413) before it is parsed
+    max_tokens: int = 2048  # the largest max_tokens a request may ask for (the context may allow fewer)
+    max_batch: int = 16  # sequences decoded together; more wait in the queue
+    max_queue: int = 64  # sequences waiting for a batch slot; past that, 429 with Retry-After
+    max_choices: int = 16  # choices in one request: len(prompt list) x n
+    max_logprobs: int = 20  # the largest `logprobs` (alternatives per token)
+    request_timeout: float = 600.0  # seconds from arrival to the last token; then 504 (or a final error event)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_tokens", "max_batch", "max_queue", "max_choices", "max_logprobs"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"limit request_timeout must be a positive number of seconds, got {self.request_timeout}")
 
 EPILOG = f"""examples:
   scratchlm serve runs/demo                          # http://127.0.0.1:8000 (playground at /)
@@ -67,12 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"variable: a flag is visible to other users in the process list)")
     parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the run folder's "
                                                            "name)")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the run's copy)")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, mps")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and KV cache (default fp32)")
-    parser.add_argument("--compile", action="store_true",
-                        help="decode through a step compiled ahead of time on a CPU (fp32 and bf16: 1.3-3x the "
-                             "tokens/s) after 20-60 s of building at start-up")
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's choice; 1 is fastest on a busy small machine)")
     limits = parser.add_argument_group("limits")
@@ -83,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"{meaning} (default: {shown})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: info)")
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(func=run_serve, cs336_checkpoint=None, model_config=None, preset=None, model_overrides=[])
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -91,15 +109,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from scratchlm.errors import UserError
     from scratchlm.extras import require
-    from scratchlm.train.checkpoint import load_for_inference, run_dir_of
-    from scratchlm.train.setup import select_device
-    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+    from scratchlm.generate.text import end_of_text_id
+    from scratchlm.train.checkpoint import run_dir_of
 
     require("fastapi", "serve", "scratchlm serve")
-    require("uvicorn", "serve", "scratchlm serve")
+    uvicorn = require("uvicorn", "serve", "scratchlm serve")
     from scratchlm.generate.engine import Engine
     from scratchlm.serve.app import create_app
-    from scratchlm.serve.server import serve
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
@@ -118,16 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
 
-    def load() -> tuple:
-        model, config = load_for_inference(args.checkpoint, device=select_device(args.device))
-        return model.to(getattr(torch, TORCH_DTYPE_NAMES[args.dtype])), config
-
-    model, config = off_the_main_thread(load)
-    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)
-    eos_id = tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
-    say_if_not_compiled(args.compile, model, "scratchlm serve")
-    engine = Engine(model, tokenizer, eos_id=eos_id, max_batch=limits.max_batch, max_queue=limits.max_queue,
-                    compile=args.compile)
+    model, tokenizer = off_the_main_thread(lambda: load_model_and_tokenizer(args, "serve"))
+    engine = Engine(model, tokenizer, eos_id=end_of_text_id(tokenizer), max_batch=limits.max_batch,
+                    max_queue=limits.max_queue, compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
     app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)
     try:
@@ -137,9 +146,24 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"scratchlm serve: {model_name} ({model.num_parameters():,} parameters, context "
           f"{model.config.context_length}) on http://{args.host}:{args.port} - playground at /, API at /v1"
           f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+
+    class Server(uvicorn.Server):
+        """On SIGTERM (or Ctrl-C) the engine stops first: every in-flight sequence gets a `Failed("shutdown")`, so
+        each open stream ends with a final error event and each waiting request with a 503; uvicorn meanwhile
+        stops accepting connections and waits (up to 10 s) for the open ones to finish, and the process exits 0.
+        uvicorn re-raises the signal it caught to the handler installed before it: one that ignores it."""
+
+        def handle_exit(self, sig, frame) -> None:
+            engine.request_stop()  # sets a flag only: safe in a signal handler
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                            timeout_graceful_shutdown=10.0)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        serve(app, engine, args.host, args.port, log_level=args.log_level)
+        Server(config).run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.close()
     return 0
 

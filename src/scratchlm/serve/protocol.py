@@ -1,37 +1,24 @@
 """The OpenAI completions and chat completions protocols: validating a request, and the response, chunk and error
 objects.
 
-`parse_completion(body, ...)` turns the raw bytes of a POST /v1/completions into a `CompletionRequest`, or raises
-`APIError` naming the field and the value: 413 for a body over the limit, 400 for invalid UTF-8, malformed JSON
-(NaN and Infinity included), a wrong type, an out-of-range or unknown field, or a prompt that does not fit the
-context, 404 for another model. The accepted fields are OpenAI's (https://platform.openai.com/docs/api-reference/
-completions) plus `top_k`, an extension (as in vLLM and llama.cpp's server); the ones we do not implement
-(penalties, logit_bias, suffix, best_of > n) are refused by name rather than ignored.
-
-Field defaults are OpenAI's: max_tokens 16, temperature 1, top_p 1, n 1. An empty prompt starts a new document
-(<|endoftext|>), as `scratchlm generate` does; a prompt may also be token ids (a list of ints, or a list of such
-lists), which is what lm-evaluation-harness sends.
-
-`parse_chat` reads a POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat) into the same
-`CompletionRequest`, with its `messages` (checked by tokenizer/chat_template.py's `check_messages`: a content may be a
-string or a list of text parts, read as their texts joined by newlines; a bad message, or an image part, is a 400 naming
-the field, ``messages[1].role``, ``messages[0].content[1].type``) and no prompt yet: the server renders the messages
-with the model's chat template. `max_completion_tokens` (or the older `max_tokens`) defaults to what the context leaves
-(`max_tokens` None here); `logprobs`, tools and other fields we do not implement are refused by name. Its responses are
-``chat.completion`` objects, and its stream ``chat.completion.chunk`` objects whose `delta` holds the role first, then
-the content.
+`parse_completion` and `parse_chat` turn the raw bytes of a POST /v1/completions or /v1/chat/completions into a
+`CompletionRequest`, or raise `APIError` naming the field and the value (413 for a body over the limit, 404 for
+another model, 400 for anything else: invalid UTF-8 or JSON, NaN, a wrong type or range, an unknown field). The
+fields are OpenAI's (https://platform.openai.com/docs/api-reference/completions, .../chat) with their defaults,
+plus `top_k` (as in vLLM and llama.cpp's server); those we do not implement (penalties, logit_bias, suffix,
+best_of > n, chat logprobs) are refused by name rather than ignored. A prompt may be token ids (what
+lm-evaluation-harness sends); an empty one starts a new document. A chat request's messages are checked by
+tokenizer/chat_template.py's `check_messages`; the server renders them with the model's chat template.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass
 
 from scratchlm.errors import UserError
-from scratchlm.serve.limits import Limits
+from scratchlm.serve.commands import Limits
 from scratchlm.tokenizer.chat_template import check_messages
 
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
@@ -79,25 +66,15 @@ class CompletionRequest:
 
 
 def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
-    fields = _fields(body, FIELDS, model_name, limits)
+    fields = _fields(body, FIELDS, model_name)
     n = _integer(fields, "n", 1, low=1, high=limits.max_choices)
     best_of = _integer(fields, "best_of", n, low=1)
     if best_of != n:
         raise bad("best_of", f"best_of must equal n ({n}) here (no server-side ranking), got {best_of}")
     request = CompletionRequest(
-        prompts=_prompts(fields),
-        max_tokens=_integer(fields, "max_tokens", 16, low=0, high=limits.max_tokens),
-        temperature=_number(fields, "temperature", 1.0, low=0.0),
-        top_p=_top_p(fields),
-        top_k=_optional_integer(fields, "top_k", low=1),
-        n=n,
-        stream=_boolean(fields, "stream", False),
-        include_usage=_include_usage(fields),
+        prompts=_prompts(fields), max_tokens=_integer(fields, "max_tokens", 16, low=0, high=limits.max_tokens), n=n,
         logprobs=_optional_integer(fields, "logprobs", low=0, high=limits.max_logprobs),
-        echo=_boolean(fields, "echo", False),
-        stop=_stop(fields),
-        seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices),
-    )
+        echo=_boolean(fields, "echo", False), **_sampling(fields, limits))
     if len(request.prompts) * n > limits.max_choices:
         raise bad("n", f"{len(request.prompts)} prompts x n={n} is {len(request.prompts) * n} choices, more than "
                        f"the server's limit of {limits.max_choices}")
@@ -107,8 +84,9 @@ def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> Complet
 
 
 def parse_chat(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
-    """A chat completions request (module docstring); `prompts` is empty and `max_tokens` None when not given."""
-    fields = _fields(body, CHAT_FIELDS, model_name, limits)
+    """A chat completions request: `prompts` is empty, and `max_tokens` (`max_completion_tokens`, or the older
+    `max_tokens`) None when not given: the server's default is what the context leaves."""
+    fields = _fields(body, CHAT_FIELDS, model_name)
     for name in ("logprobs", "top_logprobs"):
         if fields.get(name) not in (None, False, 0):
             raise bad(name, f"{name} is not supported on chat completions (POST /v1/completions has logprobs)")
@@ -120,31 +98,22 @@ def parse_chat(body: bytes, *, model_name: str, limits: Limits) -> CompletionReq
         raise bad(str(error).split(":", 1)[0], str(error)) from None
     name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = None if fields.get(name) is None else _integer(fields, name, 0, low=1, high=limits.max_tokens)
-    return CompletionRequest(
-        prompts=[], max_tokens=max_tokens, temperature=_number(fields, "temperature", 1.0, low=0.0),
-        top_p=_top_p(fields), top_k=_optional_integer(fields, "top_k", low=1),
-        n=_integer(fields, "n", 1, low=1, high=limits.max_choices), stream=_boolean(fields, "stream", False),
-        include_usage=_include_usage(fields), logprobs=None, echo=False, stop=_stop(fields),
-        seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices), messages=messages)
+    return CompletionRequest(prompts=[], max_tokens=max_tokens, n=_integer(fields, "n", 1, low=1,
+                             high=limits.max_choices), logprobs=None, echo=False, messages=messages,
+                             **_sampling(fields, limits))
 
 
-def _fields(body: bytes, known: set[str], model_name: str, limits: Limits) -> dict:
-    """The request's JSON object, after refusing unknown fields, another model and fields we do not implement."""
-    fields = parse_json_object(body, limits)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
-    model = fields.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
-    _refuse_unsupported(fields)
-    return fields
+def _sampling(fields: dict, limits: Limits) -> dict:
+    """The fields both protocols share, checked."""
+    return dict(temperature=_number(fields, "temperature", 1.0, low=0.0), top_p=_top_p(fields),
+                top_k=_optional_integer(fields, "top_k", low=1), stream=_boolean(fields, "stream", False),
+                include_usage=_include_usage(fields), stop=_stop(fields),
+                seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices))
 
 
-def parse_json_object(body: bytes, limits: Limits) -> dict:
-    if len(body) > limits.max_body_bytes:
-        raise body_too_large(limits)
+def _fields(body: bytes, known: set[str], model_name: str) -> dict:
+    """The request's JSON object (the app has already refused a body over the limit), after refusing unknown
+    fields, another model and fields we do not implement."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -157,6 +126,14 @@ def parse_json_object(body: bytes, limits: Limits) -> dict:
     if not isinstance(fields, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(fields).__name__}",
                        code="invalid_json")
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise bad(unknown[0], f"unknown field {unknown[0]!r}")
+    model = fields.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"model {_show(model)} not found: this server serves {model_name!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    _refuse_unsupported(fields)
     return fields
 
 
@@ -269,14 +246,11 @@ def _prompts(fields: dict) -> list[str | list[int]]:
 
 # ------------------------------------------------------------------------------------------ responses
 
-def completion_id(chat: bool = False) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def completion_object(request_id: str, model_name: str, choices: list[dict], usage: dict | None,
-                      created: int | None = None) -> dict:
-    body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
-            "model": model_name, "choices": choices}
+def completion_object(request_id: str, model_name: str, kind: str, choices: list[dict], usage: dict | None,
+                      created: int) -> dict:
+    """A response or stream chunk: `kind` "text_completion" (choices of `choice`), "chat.completion" (of
+    `chat_choice`) or "chat.completion.chunk" (of `chat_delta`)."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices}
     if usage is not None:
         body["usage"] = usage
     return body
@@ -284,17 +258,6 @@ def completion_object(request_id: str, model_name: str, choices: list[dict], usa
 
 def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_completion_object(request_id: str, model_name: str, choices: list[dict], usage: dict | None,
-                           created: int, *, chunk: bool = False) -> dict:
-    """A ``chat.completion`` (choices of `chat_choice`), or with chunk a ``chat.completion.chunk`` (of
-    `chat_delta`)."""
-    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": created,
-            "model": model_name, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    return body
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
