@@ -67,6 +67,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def rank_and_world_size() -> tuple[int, int]:
+    """(this process's rank, the world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
 # The rendezvous store of the process group `setup` started (a TCP key-value store beside the backend's own
 # connections), kept for `teardown`; None while none was started here.
 _store: dist.Store | None = None

@@ -81,13 +81,6 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _is_main_process() -> bool:
-    """Rank 0 (or no process group): only it writes the run directory, so only it locks."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 @contextlib.contextmanager
 def holding_run(run_dir: Path) -> Iterator[RunLock]:
     """Create ``run_dir`` if needed and hold its lock; a run that fails leaves no folder it created empty behind."""
@@ -110,7 +103,9 @@ def locks_run(train_fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(train_fn)
     def locked(config, *args, **kwargs) -> T:
-        if not _is_main_process():
+        from scratchlm.train.distributed import rank_and_world_size
+
+        if rank_and_world_size()[0] != 0:  # only rank 0 writes the run directory, so only it locks
             return train_fn(config, *args, **kwargs)
         with holding_run(Path(config.train.run_dir)):
             return train_fn(config, *args, **kwargs)
