@@ -1,15 +1,10 @@
 """One writer per run directory: an advisory ``fcntl.flock`` on RUN/.lock, held for the whole run.
 
-Why: two trainers on one run directory destroy each other's work (each save, prune and metrics rewrite assumes
-it is alone), and a ``--resume`` of a live run does the same. The kernel releases a flock when its holder
-exits, however it dies (even SIGKILL), so a crashed run never blocks its own resume and no stale-lock
-heuristics are needed. The file holds the holder's pid, host and start time only to name it in the refusal.
-
-Readers of checkpoints (``eval``, ``generate``, ``export``) take a second, finer lock: a save holds
-RUN/checkpoints/.save.lock exclusively while it writes and prunes; a reader holds it shared while it loads,
-waiting up to ``READ_WAIT_S`` for a save to finish, so the checkpoint it picked is not pruned under it.
-
-flock is advisory (only scratchlm honours it) and may not work across hosts on some network filesystems.
+Two trainers on one run directory (or a ``--resume`` of a live run) destroy each other's saves, prunes and metrics.
+The kernel releases a flock however its holder dies, so a crashed run never blocks its resume; the file holds the
+holder's pid, host and start time only to name it in the refusal. Readers of checkpoints take a finer lock:
+a save holds RUN/checkpoints/.save.lock exclusively, a reader shared (waiting up to ``READ_WAIT_S``), so the
+checkpoint it picked is not pruned under it. flock is advisory and may not work across hosts on network filesystems.
 """
 
 from __future__ import annotations

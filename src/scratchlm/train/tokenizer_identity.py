@@ -1,18 +1,12 @@
-"""Which tokenizer a run belongs to: its hash in the run's config (so in every checkpoint's config.json), a copy
-of the tokenizer in RUN/tokenizer/, and a model vocabulary that holds every one of its ids.
+"""Which tokenizer a run belongs to: its hash in the run's config, a copy in RUN/tokenizer/, and a vocabulary that
+holds every one of its ids.
 
-Why: a model's ids mean nothing without the exact tokenizer, and a path is no identity: the folder it names can
-be retrained, and any tokenizer of the same size loads without error and decodes garbage. So ``train`` records
-``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
-and keeps its own copy of the tokenizer, which data.tokenizer in the run's config then names: the run needs
-nothing outside its folder to decode, and can be moved. ``generate``, ``eval``, ``export hf`` and ``--resume``
-compare whatever they are given with that hash and refuse a mismatch, naming both. The hash is of the tokenizer's
-content (vocab, merges, special tokens), never of a file: a run recorded with a tokenizer folder of the older
-layout (scratchlm's format under the name tokenizer.json) accepts the same tokenizer read from
-``scratchlm-tokenizer.json`` or from Hugging Face's ``tokenizer.json``, and the other way round.
-
-The vocabulary: model.vocab_size left out (None) is the tokenizer's vocabulary size, rounded up to a multiple of
-model.pad_vocab_to; one that is set must hold every id of the tokenizer (a larger one is padding no token uses).
+Why: a path is no identity (a folder can be retrained, and any tokenizer of the same size decodes garbage without
+error). So ``train`` records ``data.tokenizer_hash`` (of data.tokenizer, else of the token files' headers) and keeps
+its own copy, which data.tokenizer then names; ``generate``, ``eval``, ``export`` and ``--resume`` refuse a
+tokenizer with another hash. The hash is of the content (vocab, merges, special tokens), never of a file layout.
+model.vocab_size left out is the tokenizer's size (rounded up to model.pad_vocab_to); one that is set must hold
+every id.
 """
 
 from __future__ import annotations
