@@ -125,8 +125,6 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1,
     of train.budget_seconds after `spent` seconds of start-up, at `step_seconds` a step (a pure function: tests
     give it any step time)."""
     budget = config.train.budget_seconds
-    if budget is None:
-        raise ValueError("plan_steps needs train.budget_seconds")
     eval_steps = 0.0
     if config.train.budget_includes_eval:  # EVALUATIONS of them, held to EVAL_SHARE of the budget; the last one stays
         cost = evaluation_cost_steps(config)
@@ -147,12 +145,11 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1,
 
 
 def plan_budget(config: RunConfig, train_tokens: np.ndarray,
-                measure: Callable[[RunConfig, np.ndarray], tuple[int, float]] = choose_threads,
                 started: float | None = None) -> tuple[RunConfig, BudgetPlan]:
-    """Measure a step on this machine on ``train_tokens`` (``measure`` -> (threads, seconds)) and plan the run
-    (plan_steps) over what is left of the budget since ``started`` (a time.perf_counter() reading: when the
-    command began; None: the budget is whole)."""
-    threads, step_seconds = measure(config, train_tokens)
+    """Measure a step on this machine on ``train_tokens`` (``choose_threads``) and plan the run (plan_steps) over
+    what is left of the budget since ``started`` (a time.perf_counter() reading: when the command began; None: the
+    budget is whole)."""
+    threads, step_seconds = choose_threads(config, train_tokens)
     spent = 0.0 if started is None else time.perf_counter() - started
     return plan_steps(config, step_seconds, threads, spent)
 

@@ -47,17 +47,14 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
     model.load_state_dict(state)
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """CPU state dict with shared tensors stored once: (tensors, {alias name: stored name})."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in unwrap(model).state_dict().items():
-        view = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        storage = tensor.untyped_storage().data_ptr()
+        view = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
         if view in seen:
             aliases[name] = seen[view]
             continue

@@ -148,7 +148,7 @@ def run_train(args: argparse.Namespace, *, command: str = "train", default_confi
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
     with distributed.launch(config) as launched:
         quiet = args.quiet or not launched.is_main
-        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
+        result = train(config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
                        model_overrides=stated_values(args.overrides, "model"),  # what --init-from checks
                        force_memory=args.force_memory, saved=saved, data=data)
     if result.status != "finished":

@@ -34,15 +34,9 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 class Launch:
     """What the trainer needs from a (possibly) distributed start."""
 
-    config: RunConfig  # as the user gave it (saved in the run's config.toml, so a resume reads it back)
     wrap: Callable[[nn.Module, RunConfig], nn.Module]
-    rank: int = 0
-    world_size: int = 1
     device: torch.device | None = None  # this rank's device under torchrun; None: train.device decides
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main: bool = True  # rank 0: the process that logs and writes the run directory
 
 
 def launched_by_torchrun() -> bool:
@@ -134,13 +128,13 @@ def launch(config: RunConfig) -> Iterator[Launch]:
     from scratchlm.train.setup import wrap_model
 
     if not launched_by_torchrun():
-        yield Launch(config=config, wrap=wrap_model)
+        yield Launch(wrap=wrap_model)
         return
     device = setup(config.train.device)
     clean = False
     try:
         wrap = wrap_ddp if config.train.parallel == "ddp" else wrap_fsdp
-        yield Launch(config=config, wrap=wrap, rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        yield Launch(wrap=wrap, device=device, is_main=dist.get_rank() == 0)
         clean = True
     finally:
         teardown(clean=clean)

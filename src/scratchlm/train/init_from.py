@@ -77,12 +77,12 @@ def _from_run(path: Path, where: str) -> InitSource:
 
 
 def _from_hf_folder(path: Path, where: str) -> InitSource:
-    from scratchlm.compat.hf_import import HF_PACKAGES, read_hf_tokenizer
+    from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, HF_PACKAGES, read_hf_model, read_hf_tokenizer
     from scratchlm.extras import require
 
     for package in HF_PACKAGES:
         require(package, "hf", "train.init_from a Hugging Face folder")
-    model = _read_hf_model(path)
+    model = read_hf_model(path, max_gib=DEFAULT_MAX_GIB)  # `import hf`'s size limit
     try:
         tokenizer = read_hf_tokenizer(path)
     except ValueError as error:  # UnsupportedHFTokenizer, or a malformed tokenizer.json
@@ -92,13 +92,6 @@ def _from_hf_folder(path: Path, where: str) -> InitSource:
     if tokenizer is None:
         return InitSource(model.config, model.state_dict(), None, None, where)
     return InitSource(model.config, model.state_dict(), path, tokenizer.hash, where, tokenizer)
-
-
-def _read_hf_model(model_dir: Path) -> nn.Module:
-    """The one call into the Hugging Face reader (compat/hf_import.py), with `import hf`'s size limit."""
-    from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, read_hf_model
-
-    return read_hf_model(model_dir, max_gib=DEFAULT_MAX_GIB)
 
 
 def adopt(config: RunConfig, source: InitSource, stated: Mapping[str, Any] | None) -> RunConfig:

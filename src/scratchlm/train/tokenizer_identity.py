@@ -94,29 +94,22 @@ def fit_vocab_size(config: RunConfig, tokenizer: Tokenizer | None, train: TokenF
 
     The tokenizer's size is that of data.tokenizer (``tokenizer``, as loaded), else the one data.train_path's
     header records (``train``: the size of the tokenizer that encoded it)."""
-    found, model = _tokenizer_vocab_size(config, tokenizer, train), config.model
-    if found is None:
-        if model.vocab_size is None:
-            raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
-                            "tokenizer to take it from")
+    model = config.model
+    if tokenizer is not None:
+        size, source = tokenizer.vocab_size, f"tokenizer {config.data.tokenizer}"
+    elif train is not None:
+        size, source = train.vocab_size, f"the tokenizer of data.train_path {config.data.train_path}"
+    elif model.vocab_size is None:
+        raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
+                        "tokenizer to take it from")
+    else:
         return config
-    size, source = found
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=size)  # rounded up to model.pad_vocab_to on construction
     elif model.vocab_size < size:
         raise UserError(f"model.vocab_size {model.vocab_size} is smaller than the {size} ids of {source}: set it to "
                         f"at least {size}, or to none to take the tokenizer's")
     return dataclasses.replace(config, model=model)
-
-
-def _tokenizer_vocab_size(config: RunConfig, tokenizer: Tokenizer | None,
-                          train: TokenFile | None) -> tuple[int, str] | None:
-    """(vocabulary size, where it comes from) of the run's tokenizer; None when the config names none."""
-    if tokenizer is not None:
-        return tokenizer.vocab_size, f"tokenizer {config.data.tokenizer}"
-    if train is not None:
-        return train.vocab_size, f"the tokenizer of data.train_path {config.data.train_path}"
-    return None
 
 
 def run_tokenizer_dir(checkpoint: Path, config: RunConfig) -> Path | None:
