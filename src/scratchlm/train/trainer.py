@@ -130,16 +130,12 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
           force_memory: bool = False, saved: RunConfig | None = None, data: ExampleData | None = None) -> TrainResult:
-    """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
-    docstring.
+    """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget).
 
-    ``device`` (a torchrun rank's GPU, from ``distributed.launch``) overrides train.device, which stays as given
-    in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
-    ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
-    model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
-    ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
-    ``saved``: on resume, the run's config.toml when the caller has read it already (else it is read here).
-    ``data``: a fine-tuning run's examples (data.format = conversations; finetune/data.py), read and checked.
+    ``device`` (a torchrun rank's GPU) overrides train.device, which config.toml keeps as given (a rank's ``cuda:N``
+    would be refused on resume under torchrun). ``model_overrides``: with train.init_from, the model fields the
+    caller set on purpose (init_from.py). ``force_memory`` skips setup.check_memory_fits. ``saved``: on resume,
+    the run's config.toml if the caller read it already. ``data``: a fine-tuning run's examples (finetune/data.py).
     """
     started = time.perf_counter()  # a budget counts from here: the probe and the start-up are spent from it
     rank, world_size = distributed.rank_and_world_size()
