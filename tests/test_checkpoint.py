@@ -93,8 +93,8 @@ def test_resume_continues_bitwise_identically(tmp_path):
     torch.manual_seed(123), np.random.seed(123), random.seed(123)  # clobber every RNG before resuming
     loaded = manager.load(manager.latest_valid(), resumed_model, resumed_optimizer)
     resumed_sampler.load_state_dict(loaded["sampler_state"])
-    assert loaded["step"] == 2 and loaded["extra"] == {"tokens_seen": 256} and loaded["path"] == path
-    assert RunConfig.from_dict(loaded["config"]).model == ModelConfig.preset("tiny")
+    assert loaded["step"] == 2 and loaded["extra"] == {"tokens_seen": 256} and manager.latest_valid() == path
+    assert RunConfig.from_dict(manager.config_of(path)).model == ModelConfig.preset("tiny")
     assert isinstance(resumed_optimizer.param_groups[0]["betas"], tuple)
     assert train_steps(resumed_model, resumed_optimizer, resumed_sampler, 3) == expected
     assert_same_params(model, resumed_model)

@@ -244,8 +244,8 @@ def test_setup_refuses_a_fixed_cuda_index(monkeypatch):
 
 
 def test_unknown_parallel_mode_is_refused():
-    with pytest.raises(ValueError, match="ddp"):
-        distributed.wrap_fn("zero3")
+    with pytest.raises(ValueError, match="train.parallel must be one of .*ddp"):
+        RunConfig.from_dict({"train": {"parallel": "zero3"}})
 
 
 # ---- trainer level: `scratchlm train` under 2 ranks ---------------------------------------------------------

@@ -1,16 +1,9 @@
 """Keep freed memory in the process: a speed path for training on a CPU under Linux (glibc).
 
-Every training step allocates the same large buffers (the logits alone are batch x context x vocab floats, 64 MB
-for the modern recipe) and frees them again. glibc's malloc serves such blocks with a fresh ``mmap`` and hands
-them back with ``munmap`` (and trims the top of its heap back to the OS), so the next step page-faults every page
-in again and the kernel zeroes it: system time that grows with the step's buffers. Asking malloc never to use
-``mmap`` and never to trim keeps those pages in the process for the next step. The cost is memory: freed blocks
-are reused from the heap rather than returned, and its fragmentation raises the peak RSS.
-benchmarks/bench_allocator.py measures both sides (figures: docs/benchmarks.md, "bench_allocator").
-
-Wins on: CPU training with glibc (Linux). CUDA memory has PyTorch's own caching allocator, and other C libraries
-(macOS, musl, Windows) are left alone: there ``keep_freed_memory`` does nothing and training takes the default
-path. The trainer applies it (and the budget probe runs after it, so the plan measures the same speed).
+Each step allocates and frees the same large buffers (the logits alone are batch x context x vocab floats). glibc
+serves such blocks with ``mmap`` and returns them with ``munmap``, so every step page-faults them in again; telling
+malloc never to mmap nor trim keeps the pages, at the cost of a higher peak RSS (benchmarks/bench_allocator.py).
+Elsewhere (CUDA's own allocator, other C libraries) ``keep_freed_memory`` does nothing.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Bits per byte: a language model's loss in units that do not depend on its tokenizer.
 
-Nats per token rewards a tokenizer that cuts text into fewer, harder tokens no more than one that cuts it into
-more, easier ones, so models with different tokenizers cannot be compared by it. Dividing the total loss (in
-bits) by the number of UTF-8 bytes the scored tokens stand for can: it is the cost of compressing the text.
-
-Design:
-- The text is scored as consecutive non-overlapping windows at the model's own context T (window i: inputs
-  tokens[iT:(i+1)T], targets tokens[iT+1:(i+1)T+1]), the same windows ``validation_batches`` makes, with one
-  shorter last window when ``max_targets`` is not a multiple of T, so exactly the first ``max_targets`` targets
-  count. Early positions of a window see little context; that is the same for every model with the same T.
-- The model is any ``logits_fn(inputs (B, T) long) -> logits (B, T, V)``, so scratchlm's TransformerLM and a
-  Hugging Face model go through the same code.
-- A special token such as ``<|endoftext|>`` counts as ONE byte: it stands for a document boundary, one symbol,
-  not the 13 characters of its spelling (which would reward predicting the boundary 13-fold).
-- The loss is log-sum-exp minus the target's logit, in fp32 per token and summed in float64, from tensor
-  primitives like ``loss.py`` (the tests check it against ``F.cross_entropy``).
+Nats per token cannot compare models with different tokenizers; the total loss in bits over the UTF-8 bytes the
+scored tokens stand for can (it is the cost of compressing the text). The text is scored in the consecutive
+non-overlapping windows of the model's context that ``validation_batches`` makes (a shorter last one, so exactly
+the first ``max_targets`` targets count), through any ``logits_fn(inputs (B, T)) -> logits (B, T, V)``, so
+scratchlm's model and a Hugging Face one share the code. A special token such as ``<|endoftext|>`` counts as ONE
+byte: it stands for a document boundary, not the 13 characters of its spelling.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Training within a time budget: measure a step on this machine, then plan the steps that fill the budget.
 
-``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here". Before
-the run, ``plan_budget`` builds the model and optimizer once, times a few real optimizer steps (after a warm-up
-step, which pays one-off allocation costs) and sets ``train.max_steps`` so that training, plus its evaluations when
-``train.budget_includes_eval`` is on, fills the budget. The probe trains on the run's own train tokens, opened once
-for the whole run (train/resolve.py). The warm-up and the decay of the learning-rate schedule are then laid over
-exactly those steps, so the schedule ends where the time does. The plan also spreads ``EVALUATIONS`` evaluations
-(each with a checkpoint) over the run.
+``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here". Before the
+run, ``plan_budget`` times a few real optimizer steps on the run's own tokens (after a warm-up step) and sets
+``train.max_steps`` so that training, plus its ``EVALUATIONS`` evaluations when ``train.budget_includes_eval``,
+fills the budget; the schedule's warm-up and decay are laid over exactly those steps. On a busy CPU one thread can
+beat the default count, so the probe tries both (``choose_threads``).
 
-The probe is a guess: the machine may be busier (or quieter) later. The run therefore re-plans as it goes
-(``LivePlan``), at every log step:
-
-- the budget counts from the command's start: the probe and the start-up are spent from it (``BudgetClock``);
-- the step time is the median of the mean step times of the last ``WINDOWS`` log windows, measured on the budget's
-  clock without the evaluation/checkpoint pauses (a median: a window with a compile or a hiccup moves nothing);
-- ``max_steps`` becomes the step count that fills ``REPLANNED_SHARE`` of the budget from the time used so far,
-  after a reserve for the evaluations still to come and the final one (with its checkpoint);
-- the decay follows the new end. Before it has begun, a WSD decay starts at ``decay_fraction`` of the new total
-  (never before the current step); once it has begun, its start is frozen and the rest of the decay is stretched
-  or shrunk from where it stands: its progress runs linearly from the current value to 1 at the new end
-  (``optim.schedule.Replanned``). So the rate is continuous, never goes up during the decay and reaches min_lr at
-  the run's end; a cosine decay (over the whole run) re-plans its end the same way after the warm-up.
-- Evaluations and checkpoints are planned too when the budget includes them: the first one's measured cost
-  (evaluation + checkpoint + plot) sets how many more fit in ``EVAL_SHARE`` of the budget, and with it the cadence
-  (and, if even the last one would not fit, fewer validation batches).
-
-The live plan is saved in every checkpoint (``LoopState.plan``) with the step-time window, so a resumed run carries
-on with the same plan as one that never stopped. The loop still stops at the budget if a step overruns it
-(``BudgetClock``), through the same graceful path as the last step: a final evaluation and a checkpoint.
-
-On a CPU shared with other busy processes, PyTorch's worker threads wait on each other and one thread can be
-several times faster than the default; the probe tries both and keeps the faster (``choose_threads``).
+The probe is a guess, so the run re-plans at every log step (``LivePlan``): the budget counts from the command's
+start (``BudgetClock``); the step time is the median of the last ``WINDOWS`` log windows (a compile or a hiccup
+moves nothing); ``max_steps`` becomes what fills ``REPLANNED_SHARE`` of the budget after a reserve for the
+evaluations to come; the decay follows the new end (not begun: it starts where the new total puts it; under way:
+frozen where it began and stretched from where it stands, ``optim.schedule.Replanned``), so the rate is continuous
+and reaches min_lr at the end. The first evaluation's measured cost sets how many more fit in ``EVAL_SHARE``.
+The live plan is saved in every checkpoint, so a resumed run carries on with it; a step that overruns the budget
+still ends the run through the final evaluation and checkpoint.
 """
 
 from __future__ import annotations
@@ -142,8 +125,6 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1,
     of train.budget_seconds after `spent` seconds of start-up, at `step_seconds` a step (a pure function: tests
     give it any step time)."""
     budget = config.train.budget_seconds
-    if budget is None:
-        raise ValueError("plan_steps needs train.budget_seconds")
     eval_steps = 0.0
     if config.train.budget_includes_eval:  # EVALUATIONS of them, held to EVAL_SHARE of the budget; the last one stays
         cost = evaluation_cost_steps(config)
@@ -164,12 +145,11 @@ def plan_steps(config: RunConfig, step_seconds: float, threads: int = 1,
 
 
 def plan_budget(config: RunConfig, train_tokens: np.ndarray,
-                measure: Callable[[RunConfig, np.ndarray], tuple[int, float]] = choose_threads,
                 started: float | None = None) -> tuple[RunConfig, BudgetPlan]:
-    """Measure a step on this machine on ``train_tokens`` (``measure`` -> (threads, seconds)) and plan the run
-    (plan_steps) over what is left of the budget since ``started`` (a time.perf_counter() reading: when the
-    command began; None: the budget is whole)."""
-    threads, step_seconds = measure(config, train_tokens)
+    """Measure a step on this machine on ``train_tokens`` (``choose_threads``) and plan the run (plan_steps) over
+    what is left of the budget since ``started`` (a time.perf_counter() reading: when the command began; None: the
+    budget is whole)."""
+    threads, step_seconds = choose_threads(config, train_tokens)
     spent = 0.0 if started is None else time.perf_counter() - started
     return plan_steps(config, step_seconds, threads, spent)
 

@@ -1,5 +1,5 @@
 """Checkpoint files: the CS336 single-file form, and the trainer's atomic, verifiable, resumable checkpoints.
-What goes into them and back (weights with tied tensors once, optimizer state, RNG states) is checkpoint_state.py.
+What goes into them and back is checkpoint_state.py.
 
 CS336 form: ``save_checkpoint`` / ``load_checkpoint`` put model + optimizer state dicts and the iteration in one
 ``torch.save`` file (a path or a binary file object), as the assignment specifies.
@@ -16,15 +16,11 @@ Trainer form (``CheckpointManager``), one directory per step, no pickle anywhere
       meta.json              format_version, scratchlm version, step, val_loss, sha256 + size of every file
     RUN/checkpoints/best.json  {"step", "val_loss", "name"} of the lowest-val_loss checkpoint kept
 
-Atomicity: everything is written into a hidden temp directory beside the final one, each file fsynced,
-``meta.json`` last (its presence with matching checksums is the completeness marker), then the directory is
-renamed into place and the parent fsynced. A crash or a full disk mid-save leaves at worst a ``.tmp-*``
-directory or file and never touches the previous checkpoints. Temporaries carry their writer's pid and a random
-id, and only ``remove_stale_temporaries`` deletes those of others: the trainer calls it once it holds the run's
-lock (run_lock.py), when no other writer can be alive. A save holds RUN/checkpoints/.save.lock, so readers
-(``load_for_inference``) never see the checkpoint they picked pruned under them. ``latest_valid``
-re-hashes files, so a truncated or bit-flipped checkpoint is skipped with a warning naming it and the bad file.
-best.json is bookkeeping derived from the meta.json files: a malformed one is rebuilt from them, with a warning.
+Atomicity: everything is written and fsynced into a hidden ``.tmp-*`` directory, ``meta.json`` last (the
+completeness marker), then renamed into place: a crash or a full disk never touches earlier checkpoints. Only the
+holder of the run's lock removes others' temporaries (``remove_stale_temporaries``). A save holds
+RUN/checkpoints/.save.lock, so a reader never sees its checkpoint pruned (run_lock.py). ``latest_valid`` re-hashes
+the files and skips a corrupt checkpoint with a warning; a malformed best.json is rebuilt from the meta.json files.
 """
 
 from __future__ import annotations
@@ -332,7 +328,8 @@ class CheckpointManager:
         return None
 
     def load(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-        """Restore weights, optimizer and RNG states; return {"step", "config", "sampler_state", "extra", ...}."""
+        """Restore weights, optimizer and RNG states; return trainer.json: {"step", "val_loss", "sampler_state",
+        "extra"}."""
         path = Path(path)
         if (problem := verify(path)) is not None:
             raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
@@ -346,10 +343,7 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint {path}: its optimizer state does not fit this optimizer: {error}") \
                     from error
         restore_rng_state(_read_json(path / "rng.json"))
-        trainer = _read_json(path / "trainer.json")
-        return {"step": trainer["step"], "config": self.config_of(path),
-                "sampler_state": trainer["sampler_state"], "extra": trainer["extra"],
-                "val_loss": trainer["val_loss"], "path": path}
+        return _read_json(path / "trainer.json")
 
     def config_of(self, path: str | os.PathLike) -> dict:
         """The run config a checkpoint of this run was saved with, its paths located at the run (a dict, as saved)."""

@@ -1,20 +1,12 @@
-"""What a checkpoint holds and how it comes back, independent of files and directories: the model's weights,
-the optimizer state, the RNG states. checkpoint.py decides where these go (the CS336 single file, the trainer's
-step directories); this file decides what they are.
+"""What a checkpoint holds and how it comes back: weights, optimizer state, RNG states (checkpoint.py decides where
+they go). Every piece is a dict of contiguous CPU tensors, for safetensors, or a JSON-able value: no pickle.
 
-Design: every piece is either a dict of contiguous CPU tensors, for safetensors, or a JSON-able value, so the
-trainer's checkpoints need no pickle to be written or read back.
-- Weights are those of the plain module under any DDP/FSDP/``torch.compile`` wrapper (``unwrap``), so a
-  checkpoint loads into a model wrapped differently or not at all. ``load_model_state`` checks names and shapes
-  before loading, so a checkpoint that does not fit the model is an error naming the tensors that differ.
-- Tied tensors (the embedding and ``lm_head`` with ``tie_embeddings``) share memory, which safetensors refuses:
-  ``model_tensors`` stores each storage view once and the other names as aliases (kept in the file's metadata),
-  and ``read_model_tensors`` fills the aliases back in.
-- The optimizer state is split in two: its tensors, keyed "{param index}.{name}" (``optimizer_parts``), and a
-  JSON remainder, the param_groups and any non-tensor per-param values; ``optimizer_state_from_parts`` joins
-  them and turns JSON's lists back into the tuples (betas) the optimizer was built with.
-- RNG states (python ``random``, numpy's global generator, torch CPU and every CUDA device) are JSON lists of
-  numbers, so a resumed run draws the same numbers as one that never stopped.
+- Weights are those of the plain module under any DDP/FSDP/``torch.compile`` wrapper (``unwrap``), checked by name
+  and shape before loading (``load_model_state``). Tied tensors share memory, which safetensors refuses: each
+  storage view is stored once and the other names kept as aliases in the file's metadata.
+- The optimizer state is split into its tensors, keyed "{param index}.{name}", and a JSON remainder (param_groups,
+  non-tensor values); JSON's lists become the tuples (betas) the optimizer was built with again.
+- RNG states (python, numpy, torch CPU and CUDA) are JSON lists, so a resumed run draws the same numbers.
 """
 
 from __future__ import annotations
@@ -55,17 +47,14 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
     model.load_state_dict(state)
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
 def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """CPU state dict with shared tensors stored once: (tensors, {alias name: stored name})."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in unwrap(model).state_dict().items():
-        view = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        storage = tensor.untyped_storage().data_ptr()
+        view = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
         if view in seen:
             aliases[name] = seen[view]
             continue

@@ -146,9 +146,9 @@ def run_train(args: argparse.Namespace, *, command: str = "train", default_confi
     _refuse_overwriting_config(args.config, Path(config.train.run_dir) / CONFIG_FILE)
     data = read_data(config, quiet=args.quiet) if read_data is not None else None
     # Under torchrun: process group, this rank's device and the DDP/FSDP2 wrap; otherwise a pass-through.
-    with distributed.launch(config, config.train.parallel) as launched:
+    with distributed.launch(config) as launched:
         quiet = args.quiet or not launched.is_main
-        result = train(launched.config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
+        result = train(config, resume=args.resume, quiet=quiet, wrap=launched.wrap, device=launched.device,
                        model_overrides=stated_values(args.overrides, "model"),  # what --init-from checks
                        force_memory=args.force_memory, saved=saved, data=data)
     if result.status != "finished":
@@ -188,9 +188,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.config.is_file():
         raise UserError(f"recipe {args.config} not found: pass --config FILE")
     data = open_token_file(args.data)
-    overrides = [*args.overrides, f"data.train_path={args.data}", "data.val_path=", "data.tokenizer=none"]
-    overrides += [f"model.vocab_size={data.vocab_size}"] + ([f"train.device={args.device}"] if args.device else [])
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, [*args.overrides, *([f"train.device={args.device}"] if args.device else [])])
+    config = config.with_values(data={"train_path": str(args.data), "val_path": "", "tokenizer": None},
+                                model={"vocab_size": data.vocab_size})
     train_tokens, _ = check_data(config, data, None, None)  # as train checks them (the ids, one window)
     keep_freed_memory()  # as `train` does on a CPU (allocator.py), so the probe measures the speed train gets
     if config.train.dtype == "auto":  # as `train` resolves it (precision.py): the speed it will train at

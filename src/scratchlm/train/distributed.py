@@ -1,26 +1,14 @@
 """Data-parallel training through PyTorch's own engine: DDP or FSDP2, applied to the model from outside.
 
-What this file does (the trainer stays single-process code; torchrun supplies the rest):
-- ``launch(config)``: when started by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` set), init
-  the process group from those variables (nccl on CUDA, gloo on CPU), pin each rank to ``cuda:LOCAL_RANK``, and
-  yield the config with that device plus the ``wrap`` the trainer applies; ``destroy_process_group`` on exit.
-  Without torchrun it yields the config unchanged and the trainer's own wrap (compile only).
-- ``wrap_ddp``: ``DistributedDataParallel`` (then ``torch.compile`` of the wrapper, so DDP's bucketed
-  all-reduce overlaps the compiled backward). ``wrap_fsdp``: FSDP2 ``fully_shard`` per TransformerBlock, then the
-  root (embeddings, final norm, lm_head; a tied matrix lives in the root group); blocks are compiled in place so
-  parameter names never change. ``no_gradient_sync(model)`` turns gradient reduction off for a micro-batch
-  (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, nothing for a plain module), so the
-  trainer's accumulation (reduce only on the last micro-batch) works for both.
-- Global batch: every rank draws ``data.batch_size`` sequences a step from its own stream seeded by
-  (seed, rank); gradients are averaged, so a step at world size N equals one single-process step on the union
-  of the N rank batches (tests/test_distributed.py checks this to fp32 round-off).
-- Checkpoints are always full and unsharded (what ``load_for_inference`` and export read): ``full_state_dicts``
-  gathers them (a collective under FSDP2: every rank must call it; rank 0 gets the tensors, on the CPU) and
-  ``load_full_state`` scatters them back. So a checkpoint taken at world size N resumes at any M.
-- ``restore_sampler``: a checkpoint holds rank 0's sampler state. Rank r's stream depends only on (seed, r) and
-  the number of batches drawn, which is the same on every rank, so rank r replays its own generator to that
-  count (the draws only, no token reads). Resuming at another world size gives each rank the stream it would
-  have had at that size from the start.
+- ``launch(config)``: under torchrun, init the process group (nccl on CUDA, gloo on CPU), pin each rank to
+  ``cuda:LOCAL_RANK`` and yield train.parallel's wrap (``wrap_ddp`` or ``wrap_fsdp``); alone, a pass-through.
+- ``no_gradient_sync(model)``: no gradient reduction for the micro-batches before the last (DDP's ``no_sync()``,
+  FSDP2's ``set_requires_gradient_sync(False)``), so the trainer's accumulation works under both.
+- Global batch: each rank draws ``data.batch_size`` sequences a step from its own stream seeded by (seed, rank) and
+  gradients are averaged, so a step at world size N equals one single-process step on the N batches together.
+- Checkpoints are always full and unsharded: ``full_state_dicts`` gathers them (a collective under FSDP2),
+  ``load_full_state`` scatters them back, and ``restore_sampler`` replays each rank's stream from rank 0's saved
+  draw count, so a checkpoint taken at world size N resumes at any M.
 """
 
 from __future__ import annotations
@@ -39,7 +27,6 @@ from torch import nn
 from scratchlm.config import RunConfig
 from scratchlm.data.batches import BatchSampler
 
-PARALLEL_MODES = ("ddp", "fsdp")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -47,15 +34,9 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 class Launch:
     """What the trainer needs from a (possibly) distributed start."""
 
-    config: RunConfig  # as the user gave it (saved in the run's config.toml, so a resume reads it back)
     wrap: Callable[[nn.Module, RunConfig], nn.Module]
-    rank: int = 0
-    world_size: int = 1
     device: torch.device | None = None  # this rank's device under torchrun; None: train.device decides
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main: bool = True  # rank 0: the process that logs and writes the run directory
 
 
 def launched_by_torchrun() -> bool:
@@ -65,6 +46,11 @@ def launched_by_torchrun() -> bool:
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """(this process's rank, the world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 
 
 # The rendezvous store of the process group `setup` started (a TCP key-value store beside the backend's own
@@ -137,27 +123,21 @@ def _wait_until_every_rank_left_the_barrier(store: dist.Store) -> None:
 
 
 @contextlib.contextmanager
-def launch(config: RunConfig, parallel: str = "ddp") -> Iterator[Launch]:
-    """Set up DDP/FSDP2 under torchrun (and tear it down after), or pass through for a single process."""
+def launch(config: RunConfig) -> Iterator[Launch]:
+    """Set up train.parallel (DDP/FSDP2) under torchrun and tear it down after, or pass through for one process."""
     from scratchlm.train.setup import wrap_model
 
     if not launched_by_torchrun():
-        yield Launch(config=config, wrap=wrap_model)
+        yield Launch(wrap=wrap_model)
         return
     device = setup(config.train.device)
     clean = False
     try:
-        yield Launch(config=config, wrap=wrap_fn(parallel), rank=dist.get_rank(), world_size=dist.get_world_size(),
-                     device=device)
+        wrap = wrap_ddp if config.train.parallel == "ddp" else wrap_fsdp
+        yield Launch(wrap=wrap, device=device, is_main=dist.get_rank() == 0)
         clean = True
     finally:
         teardown(clean=clean)
-
-
-def wrap_fn(parallel: str) -> Callable[[nn.Module, RunConfig], nn.Module]:
-    if parallel not in PARALLEL_MODES:
-        raise ValueError(f"parallel mode must be one of {PARALLEL_MODES}, got {parallel!r}")
-    return wrap_ddp if parallel == "ddp" else wrap_fsdp
 
 
 def wrap_ddp(model: nn.Module, config: RunConfig) -> nn.Module:

@@ -1,25 +1,12 @@
 """Starting a run from existing weights: ``train.init_from`` (``scratchlm train --init-from PATH``).
 
-PATH is a run directory (its newest valid checkpoint), one checkpoint directory, a run written by
-``scratchlm import hf``, or a Hugging Face model folder (config.json + safetensors, read as ``import hf`` reads it).
-What the new run takes from there, and what starts fresh:
-
-- the weights, copied into the model ``build_model`` makes (fp32 master weights: bf16 weights are cast), and the
-  model config they belong to, whole;
-- the tokenizer: the source's copy (RUN/tokenizer, or the folder's tokenizer.json) becomes data.tokenizer, so the
-  run keeps its own copy and records its hash as any run does, and token files encoded with another tokenizer are
-  refused by the usual hash check when they are opened (setup.py); a data.tokenizer that is another tokenizer is
-  refused here. A source that records no tokenizer leaves the data settings as they are;
-- fresh: the optimizer state (AdamW or Muon, as optim.optimizer says), the schedule, the step counter, the time
-  budget and the RNG seed (train.seed). Fine-tuning is a new run whose first step starts from these weights.
-
-Which model: the one the weights fit, so the config's [model] table does not apply (a recipe's shape is not the
-source's). The caller says which model fields it set on purpose (``stated``: the CLI passes its ``--set model.*``
-values); one that differs from the source's is refused, naming the field and both values, and one that agrees
-is fine. ``stated=None`` states every field of config.model, so a library caller gets no silent replacement.
-
-On ``--resume`` of a run that has checkpoints, those win: the model is the run's own (its config.toml) and
-train.init_from is not read again, so the source may have moved or been deleted since (resolve.py decides).
+PATH is a run directory (its newest valid checkpoint), a checkpoint directory, or a Hugging Face model folder
+(read as ``import hf`` reads it). The run takes the weights and their model config, whole (the config's [model]
+table does not apply), and the source's tokenizer as data.tokenizer (another one given is refused); the optimizer,
+schedule, step counter, budget and seed start fresh. A model field the caller set on purpose (``stated``: the CLI's
+``--set model.*``) must agree with the source's; ``stated=None`` states all of config.model, so a library caller
+gets no silent replacement. On ``--resume`` with checkpoints the run's own model wins and the source is not read
+(resolve.py).
 """
 
 from __future__ import annotations
@@ -90,12 +77,12 @@ def _from_run(path: Path, where: str) -> InitSource:
 
 
 def _from_hf_folder(path: Path, where: str) -> InitSource:
-    from scratchlm.compat.hf_import import HF_PACKAGES, read_hf_tokenizer
+    from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, HF_PACKAGES, read_hf_model, read_hf_tokenizer
     from scratchlm.extras import require
 
     for package in HF_PACKAGES:
         require(package, "hf", "train.init_from a Hugging Face folder")
-    model = _read_hf_model(path)
+    model = read_hf_model(path, max_gib=DEFAULT_MAX_GIB)  # `import hf`'s size limit
     try:
         tokenizer = read_hf_tokenizer(path)
     except ValueError as error:  # UnsupportedHFTokenizer, or a malformed tokenizer.json
@@ -105,13 +92,6 @@ def _from_hf_folder(path: Path, where: str) -> InitSource:
     if tokenizer is None:
         return InitSource(model.config, model.state_dict(), None, None, where)
     return InitSource(model.config, model.state_dict(), path, tokenizer.hash, where, tokenizer)
-
-
-def _read_hf_model(model_dir: Path) -> nn.Module:
-    """The one call into the Hugging Face reader (compat/hf_import.py), with `import hf`'s size limit."""
-    from scratchlm.compat.hf_import import DEFAULT_MAX_GIB, read_hf_model
-
-    return read_hf_model(model_dir, max_gib=DEFAULT_MAX_GIB)
 
 
 def adopt(config: RunConfig, source: InitSource, stated: Mapping[str, Any] | None) -> RunConfig:

@@ -1,27 +1,19 @@
 """Log-likelihood of a continuation given a context: the request multiple-choice benchmarks are made of.
 
-A benchmark such as HellaSwag or ARC asks, for each candidate answer, log p(continuation | context) and whether
-the continuation is what greedy decoding would produce; the highest-scoring candidate is the model's answer.
-This module answers those requests exactly as EleutherAI's lm-evaluation-harness (``lm_eval``, 0.4.x) does for
-its ``hf`` model type, so ``scratchlm eval --continuations`` on a run gives the numbers ``lm_eval`` gives on its
-``scratchlm export hf`` folder (scripts/check_lm_eval.sh runs both and compares them):
+A benchmark such as HellaSwag asks, for each candidate answer, log p(continuation | context) and whether greedy
+decoding would produce it. These requests are answered as lm-evaluation-harness (``lm_eval`` 0.4.x) answers them for
+its ``hf`` model, so ``scratchlm eval --continuations`` matches ``lm_eval`` on the ``export hf`` folder
+(scripts/check_lm_eval.sh):
 
-- Tokenization (lm_eval's ``TemplateLM._encode_pair``): trailing whitespace of the context moves to the front of
-  the continuation ("Paris is " + "nice" scores " nice" after "Paris is", the way a byte-level BPE tokenizer
-  attaches a space to the word after it); then context + continuation is encoded whole and cut where the
-  context's own encoding ends, so a merge across the boundary is scored as the continuation's. An empty context
-  is the end-of-text token (lm_eval's ``prefix_token_id`` for a tokenizer without a BOS token, as our export is),
-  or, when the continuation starts with that token, the continuation's first token.
-- Scoring (lm_eval's ``HFLM._loglikelihood_tokens``): the model reads the last ``context_length + 1`` tokens of
-  context + continuation, less the last one (older context falls off the left); the continuation's tokens are
-  scored at the last ``len(continuation)`` positions: the sum of their log-softmax values, and whether each is
-  the argmax of its position. ``context_length`` may be less than the model's (``eval --window``): lm_eval's API
-  models (local-completions) keep the last ``max_length - 1`` tokens where the hf model keeps ``context_length +
-  1``, so against ``scratchlm serve`` with ``max_length = context + 1`` they score as ``context_length = context -
-  1`` does here.
+- Tokenization (``TemplateLM._encode_pair``): the context's trailing whitespace moves to the front of the
+  continuation; context + continuation is encoded whole and cut where the context's own encoding ends. An empty
+  context is the end-of-text token (or the continuation's first token, when it is that token).
+- Scoring (``HFLM._loglikelihood_tokens``): the model reads the last ``context_length + 1`` tokens, less the last;
+  the continuation's tokens are scored at the last positions: the sum of their log-softmax values, and whether each
+  is its position's argmax. ``eval --window`` sets a smaller ``context_length``: lm_eval's API models keep
+  ``max_length - 1`` tokens, so against ``scratchlm serve`` they score as ``context_length = max_length - 2`` here.
 
-Requests are scored in batches, right-padded: under a causal mask a position never sees the padding after it,
-so a padded row's scored positions equal the unpadded ones.
+Batches are right-padded: under a causal mask no scored position sees the padding after it.
 """
 
 from __future__ import annotations

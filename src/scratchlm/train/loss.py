@@ -1,15 +1,11 @@
-"""Cross-entropy loss and perplexity for next-token prediction, from tensor primitives.
+"""Cross-entropy loss and perplexity for next-token prediction, from tensor primitives (the tests use
+``F.cross_entropy`` as oracle).
 
-Design: the loss is computed as ``logsumexp(logits) - logits[target]`` with the row maximum subtracted first, so
-logits of ±1e4 (or any finite magnitude) stay finite: ``exp`` only ever sees values <= 0. Any number of leading
-batch dimensions is accepted and the mean is taken over all of them, which matches ``F.cross_entropy`` on the
-flattened ``(N, V)`` view. Half-precision logits (bf16 autocast) are upcast to float32 first: the sum over a
-10k-50k vocabulary loses too many bits in bf16. No ``torch.nn.functional`` is used (the tests use it as oracle).
-
-Fine-tuning counts only some targets (the assistant's tokens, not the prompt's): a target equal to
-``ignore_index`` (``IGNORED``, -100, as ``F.cross_entropy``'s default) adds nothing to the loss or its gradient.
-``reduction="sum"`` gives the summed loss of the counted targets, so that a caller that splits a batch into
-micro-batches can divide by the count of the whole batch (train/step.py) and weigh every counted token alike.
+The loss is ``logsumexp(logits) - logits[target]`` with the row maximum subtracted first, so ``exp`` only sees
+values <= 0 and any finite logits stay finite. Leading batch dimensions are flattened, as ``F.cross_entropy`` on
+the ``(N, V)`` view. Half-precision logits are upcast to float32: a sum over a 10k-50k vocabulary loses too many bits
+in bf16. A target equal to ``ignore_index`` (``IGNORED``, -100) counts for nothing, and ``reduction="sum"`` lets a
+caller that splits a batch into micro-batches divide by the whole batch's count (train/step.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Where a run's numbers go: metrics.jsonl (always), a progress bar (on a terminal), TensorBoard and Weights &
-Biases (if asked; the ``[tracking]`` extra).
+"""Where a run's numbers go: metrics.jsonl (always), a progress bar (on a terminal), TensorBoard and Weights & Biases
+(if asked; the ``[tracking]`` extra). Only rank 0 builds a MetricsLogger, and only at log/eval steps.
 
-metrics.jsonl is the run's record that sweeps, reports and plots read back (schema: docs/architecture.md,
-"Run directory"). Each record is one line, written and flushed as it happens, so a killed run loses at most a
-half-written last line (readers drop it). It is read back with ``experiments.runs.read_metrics``, the reader
-sweeps and reports use: a malformed line elsewhere is an error naming the file and line, so a resume never
-rewrites the file without the records after it. Resuming truncates the file back to the checkpoint's step, so
-the resumed run's file reads like the uninterrupted run's.
-
-TensorBoard event files go to RUN/tensorboard/; a resumed run purges the events past its checkpoint's step, as
-metrics.jsonl is cut back. A W&B run's id is kept in RUN/wandb_id, so a resumed scratchlm run continues the same
-W&B run instead of opening a new one. Both get the numeric fields of train and eval records, as "train/loss",
-"eval/val_loss", ... at the record's step.
-
-The trainer calls this only at log/eval steps (never per step), so nothing here forces a host sync.
-Only the main process (rank 0) should build a MetricsLogger.
+metrics.jsonl (schema: docs/architecture.md, "Run directory") gets one flushed line a record, so a killed run loses
+at most a half-written last line; it is read back with ``experiments.runs.read_metrics``. A resume cuts it back to
+the checkpoint's step (``truncate_records``) and purges later TensorBoard events; RUN/wandb_id makes a resumed run
+continue the same W&B run.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""Resolving a run before its first step: config -> tokenizer -> data -> budget plan, once and in one direction.
+"""Resolving a run before its first step, once and in one direction: start -> tokenizer -> data -> dtype and plan.
 
-``train`` calls ``resolve_run`` once the device and the run directory are set up, and builds the model from what
-it returns (``ResolvedRun``); the loop takes the rest from there. Each input is read once, by the step that needs
-it first, and handed on rather than read again:
+``train`` calls ``resolve_run`` once the device and the run directory are set up; what it returns (``ResolvedRun``)
+holds everything read, and nothing is read again:
 
-1. where the run starts (``Start``), decided here and nowhere else: ``Resume(checkpoint)`` when asked to resume
-   and the run has a checkpoint (the newest valid one; its model, optimizer settings and tokenizer must be the
-   config's), else ``InitFrom(source)`` with train.init_from (the model and tokenizer of those weights:
-   init_from.py), else ``Fresh``. The checkpoint list is read once, and a resumed run's config.toml once, for its
-   budget plan and dtype; the trainer only acts on the answer;
-2. the tokenizer (data.tokenizer), loaded once: its vocabulary size, its hash, and later the run's copy of it;
-3. the token files, opened once: model.vocab_size is bound (the tokenizer's, else the size the train file's header
-   records: tokenizer_identity.py), a model that cannot fit in memory is refused (setup.check_memory_fits, before
-   the probe builds one), the files are checked against the vocabulary and the tokenizer's hash, and
-   data.tokenizer_hash is recorded;
-   With ``data`` (fine-tuning's conversations, finetune/data.py: data.format = conversations) there are no token
-   files: ``data.prepare`` gives the tokenizer the run trains with (ChatML added to a base model's, its rows added
-   to the weights of an InitFrom) and lays out the examples, whose tokens the budget's probe trains on;
-4. train.dtype = auto, from what the device can do (precision.py), and the budget plan (budget.py), its probe
-   steps trained on them too; under torch.distributed every rank trains rank 0's choice and plan, so all stop at
-   the same step. A resumed run keeps the dtype and the plan it was started with.
+1. where the run starts (``Start``), decided here and nowhere else: ``Resume(checkpoint)`` when asked to resume and
+   the run has a valid checkpoint, else ``InitFrom(source)`` with train.init_from (init_from.py), else ``Fresh``;
+2. the tokenizer (data.tokenizer), loaded once;
+3. the data: token files opened once (model.vocab_size bound, memory checked before the probe builds a model, files
+   checked against the vocabulary and the tokenizer's hash), or fine-tuning's examples (``ExampleData.prepare``);
+4. train.dtype = auto (precision.py) and a budget's plan (budget.py); every rank trains rank 0's choices. A resumed
+   run keeps the dtype and plan of its config.toml, and must have the checkpoint's model, optimizer and tokenizer.
 """
 
 from __future__ import annotations
@@ -47,9 +37,8 @@ if TYPE_CHECKING:
     from scratchlm.tokenizer.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.toml"
-# What a budget's plan sets (budget.plan_steps): a resumed run takes these from the run's config.toml.
-PLANNED_FIELDS = (("train", "max_steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                  ("train", "log_every"), ("train", "threads"), ("optim", "warmup_iters"))
+# What a budget's plan sets (budget.plan_steps, with optim.warmup_iters): a resumed run takes them from config.toml.
+PLANNED_TRAIN_FIELDS = ("max_steps", "eval_every", "checkpoint_every", "log_every", "threads")
 
 
 @dataclass(frozen=True)
@@ -69,6 +58,7 @@ class Resume:
     """The run continues from ``checkpoint``: weights, optimizer, RNG, sampler and the loop's running values."""
 
     checkpoint: Path
+    trained: RunConfig  # the checkpoint's config.json, read once
 
 
 Start = Fresh | InitFrom | Resume
@@ -113,10 +103,10 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
     command began (time.perf_counter()), so that a budget's plan counts the start-up. ``data``: a fine-tuning run's
     examples (data.format = conversations), instead of token files."""
     run_dir = Path(config.train.run_dir)
-    saved_path = run_dir / CONFIG_FILE
-    if saved is None and resume and saved_path.is_file():
-        saved = load_config(saved_path)
-    saved = saved if resume else None
+    if not resume:
+        saved = None
+    elif saved is None and (run_dir / CONFIG_FILE).is_file():
+        saved = load_config(run_dir / CONFIG_FILE)
     config, start = _start(config, run_dir, resume, model_overrides)
     if isinstance(start, InitFrom) and not quiet:
         print(f"{command_name(config)}: starting from the weights of {start.source.where} (a fresh optimizer and "
@@ -126,32 +116,21 @@ def resolve_run(config: RunConfig, *, resume: bool, device: torch.device, world_
         raise UserError(f"data.format = {config.data.format} is trained by "
                         f"`scratchlm {'finetune' if data is None else 'train'}`")
     if data is not None:
-        return _resolve_examples(config, start, tokenizer, data, saved, device, world_size, force_memory, quiet,
-                                 started)
-    train_file, val_file = open_token_files(config)
-    config = fit_vocab_size(config, tokenizer, train_file)
-    if not force_memory:  # before the budget's probe step builds a model
-        check_memory_fits(config, device, world_size)
-    train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
-    config = bind_tokenizer(config, tokenizer, train_file, val_file)
-    config = _precision(config, saved, device, quiet)
-    config = _planned(config, saved, train_tokens, quiet, started)
+        config, tokenizer = data.prepare(config, tokenizer, start.source if isinstance(start, InitFrom) else None)
+        if not force_memory:
+            check_memory_fits(config, device, world_size)
+        train_tokens, val_tokens = data.plan_tokens(), None
+    else:
+        train_file, val_file = open_token_files(config)
+        config = fit_vocab_size(config, tokenizer, train_file)
+        if not force_memory:  # before the budget's probe step builds a model
+            check_memory_fits(config, device, world_size)
+        train_tokens, val_tokens = check_data(config, train_file, val_file, tokenizer.hash if tokenizer else None)
+        config = bind_tokenizer(config, tokenizer, train_file, val_file)
+    config = _planned(_precision(config, saved, device, quiet), saved, train_tokens, quiet, started)
     if isinstance(start, Resume):  # the final config: a resumed budget's plan sets optim.warmup_iters
-        _check_resumable(config, start.checkpoint, run_dir)
-    return ResolvedRun(config, start, tokenizer, train_tokens, val_tokens)
-
-
-def _resolve_examples(config: RunConfig, start: Start, tokenizer: Tokenizer | None, data: ExampleData,
-                      saved: RunConfig | None, device: torch.device, world_size: int, force_memory: bool, quiet: bool,
-                      started: float | None) -> ResolvedRun:
-    """Steps 2-4 of the module docstring for a run on examples rather than token files."""
-    config, tokenizer = data.prepare(config, tokenizer, start.source if isinstance(start, InitFrom) else None)
-    if not force_memory:
-        check_memory_fits(config, device, world_size)
-    config = _planned(_precision(config, saved, device, quiet), saved, data.plan_tokens(), quiet, started)
-    if isinstance(start, Resume):
-        _check_resumable(config, start.checkpoint, Path(config.train.run_dir))
-    return ResolvedRun(config, start, tokenizer, data.plan_tokens(), None, data)
+        _check_resumable(config, start)
+    return ResolvedRun(config, start, tokenizer, train_tokens, val_tokens, data)
 
 
 def _start(config: RunConfig, run_dir: Path, resume: bool,
@@ -161,44 +140,36 @@ def _start(config: RunConfig, run_dir: Path, resume: bool,
     A resume of a run with a checkpoint continues the checkpoint's model: with train.init_from the source is not
     read again (it may have moved since), so the model comes from the checkpoint (the fields the caller set on
     purpose must agree). A resume of a run with no checkpoint yet starts as a new run would."""
-    checkpoint = _resume_point(CheckpointManager(run_dir)) if resume else None
+    checkpoints = CheckpointManager(run_dir)
+    checkpoint = checkpoints.latest_valid() if resume else None
+    if resume and checkpoint is None and (found := checkpoints.checkpoints()):
+        # starting over would overwrite them and cut metrics.jsonl back to step 0
+        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
+                         f"valid (see the warnings above); move them away to start this run over")
     if checkpoint is not None:
+        trained = RunConfig.from_dict(checkpoints.config_of(checkpoint))
         if config.train.init_from:
-            saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
-            config = with_model(config, saved.model, f"checkpoint {checkpoint}", model_overrides)
-        return config, Resume(checkpoint)
+            config = with_model(config, trained.model, f"checkpoint {checkpoint}", model_overrides)
+        return config, Resume(checkpoint, trained)
     if config.train.init_from:
         source = open_source(config.train.init_from)
         return adopt(config, source, model_overrides), InitFrom(source)
     return config, Fresh()
 
 
-def _resume_point(checkpoints: CheckpointManager) -> Path | None:
-    """The checkpoint to resume from; None when the run has none yet (it starts from step 0).
-
-    Checkpoints that all fail verification are an error: starting over would overwrite them and cut
-    metrics.jsonl back to step 0.
-    """
-    path = checkpoints.latest_valid()
-    if path is None and (found := checkpoints.checkpoints()):
-        raise ValueError(f"cannot resume: none of the {len(found)} checkpoint(s) in {checkpoints.directory} is "
-                         f"valid (see the warnings above); move them away to start this run over")
-    return path
-
-
-def _check_resumable(config: RunConfig, checkpoint: Path, run_dir: Path) -> None:
-    """Refuse to continue ``checkpoint`` as another run: its model, optimizer settings and tokenizer must be the
+def _check_resumable(config: RunConfig, start: Resume) -> None:
+    """Refuse to continue the checkpoint as another run: its model, optimizer settings and tokenizer must be the
     config's (another recipe or tokenizer would silently continue a different run)."""
-    saved = RunConfig.from_dict(CheckpointManager(run_dir).config_of(checkpoint))
-    if saved.model != config.model:
-        raise ValueError(f"cannot resume from {checkpoint}: it was trained with model {saved.model}, but this "
+    checkpoint, trained = start.checkpoint, start.trained
+    if trained.model != config.model:
+        raise ValueError(f"cannot resume from {checkpoint}: it was trained with model {trained.model}, but this "
                          f"config asks for {config.model}")
-    if saved.optim != config.optim:
-        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(saved.optim).items()
+    if trained.optim != config.optim:
+        changed = {k: (v, getattr(config.optim, k)) for k, v in dataclasses.asdict(trained.optim).items()
                    if getattr(config.optim, k) != v}
         raise ValueError(f"cannot resume from {checkpoint}: the optimizer settings changed (saved -> asked: " +
                          ", ".join(f"optim.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + ")")
-    check_same_tokenizer(saved.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {checkpoint}")
+    check_same_tokenizer(trained.data.tokenizer_hash, config.data.tokenizer_hash, f"checkpoint {checkpoint}")
 
 
 def _tokenizer(config: RunConfig, start: Start) -> Tokenizer | None:
@@ -223,10 +194,8 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
                 f"for a budget of {saved.train.budget_seconds} s"
             raise ValueError(f"cannot resume {Path(config.train.run_dir)}: it was planned {was}, this asks for "
                              f"{config.train.budget_seconds} s (a budget cannot change mid-run)")
-        planned: dict[str, dict[str, Any]] = {}
-        for section, key in PLANNED_FIELDS:
-            planned.setdefault(section, {})[key] = getattr(getattr(saved, section), key)
-        return config.with_values(**planned)
+        return config.with_values(train={key: getattr(saved.train, key) for key in PLANNED_TRAIN_FIELDS},
+                                  optim={"warmup_iters": saved.optim.warmup_iters})
     config, plan = plan_budget(config, train_tokens, started=started)
     config = _rank_zeros(config.with_values(train={"threads": plan.threads}))
     if not quiet:

@@ -1,15 +1,10 @@
 """One writer per run directory: an advisory ``fcntl.flock`` on RUN/.lock, held for the whole run.
 
-Why: two trainers on one run directory destroy each other's work (each save, prune and metrics rewrite assumes
-it is alone), and a ``--resume`` of a live run does the same. The kernel releases a flock when its holder
-exits, however it dies (even SIGKILL), so a crashed run never blocks its own resume and no stale-lock
-heuristics are needed. The file holds the holder's pid, host and start time only to name it in the refusal.
-
-Readers of checkpoints (``eval``, ``generate``, ``export``) take a second, finer lock: a save holds
-RUN/checkpoints/.save.lock exclusively while it writes and prunes; a reader holds it shared while it loads,
-waiting up to ``READ_WAIT_S`` for a save to finish, so the checkpoint it picked is not pruned under it.
-
-flock is advisory (only scratchlm honours it) and may not work across hosts on some network filesystems.
+Two trainers on one run directory (or a ``--resume`` of a live run) destroy each other's saves, prunes and metrics.
+The kernel releases a flock however its holder dies, so a crashed run never blocks its resume; the file holds the
+holder's pid, host and start time only to name it in the refusal. Readers of checkpoints take a finer lock:
+a save holds RUN/checkpoints/.save.lock exclusively, a reader shared (waiting up to ``READ_WAIT_S``), so the
+checkpoint it picked is not pruned under it. flock is advisory and may not work across hosts on network filesystems.
 """
 
 from __future__ import annotations
@@ -81,13 +76,6 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _is_main_process() -> bool:
-    """Rank 0 (or no process group): only it writes the run directory, so only it locks."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 @contextlib.contextmanager
 def holding_run(run_dir: Path) -> Iterator[RunLock]:
     """Create ``run_dir`` if needed and hold its lock; a run that fails leaves no folder it created empty behind."""
@@ -110,7 +98,9 @@ def locks_run(train_fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(train_fn)
     def locked(config, *args, **kwargs) -> T:
-        if not _is_main_process():
+        from scratchlm.train.distributed import rank_and_world_size
+
+        if rank_and_world_size()[0] != 0:  # only rank 0 writes the run directory, so only it locks
             return train_fn(config, *args, **kwargs)
         with holding_run(Path(config.train.run_dir)):
             return train_fn(config, *args, **kwargs)

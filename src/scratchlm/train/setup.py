@@ -1,21 +1,11 @@
-"""Building a run's pieces: the device and its matmul precision, the token files, the model and its wrapping, the
-optimizer, the run directory. ``train`` calls these in one direction (device and run directory; then, through
-resolve.py, the token files and the memory check; then the model and optimizer), each once; the demo and the
-benchmarks call them directly.
+"""Building a run's pieces, each once, in the order ``train`` calls them: the device and its matmul precision, the
+run directory, the token files and the memory check (through resolve.py), the model, its wrapping and the optimizer.
+The demo and the benchmarks call them directly.
 
-Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
-- ``build_model`` makes the TransformerLM and switches its speed paths on (model/kernels/: the readable model
-  stays what a learner reads); ``wrap_model`` applies torch.compile. A data-parallel launcher
-  passes its own ``wrap`` (DDP/FSDP) to ``train`` instead, so the model stays a plain module to save and load.
-- The token files are opened once (``open_token_files``: the train file's header may give the vocabulary) and
-  checked once the vocabulary is known (``check_data``: the model's vocabulary, the tokenizer's hash, at least one
-  training window), so the model's per-step token-id check is switched off.
-- A model whose training step cannot fit in the device's free memory is refused before anything is allocated
-  (``check_memory_fits``: the accounting estimate against what the device has free), in one line, instead of
-  dying in the allocator mid-build or swapping the machine to a halt.
-- The run directory is proven writable, and a run that already holds checkpoints refused without --resume,
-  before the data is opened or the model built: an unusable directory is one clear error up front. ``train``
-  holds the directory's lock (run_lock.py) by then, so the temporaries of crashed saves can be removed here.
+The model knows nothing of infrastructure (torchtitan-style): ``build_model`` switches its speed paths on
+(model/kernels/) and ``wrap_model`` applies torch.compile from outside (a distributed launcher passes its own wrap),
+so the model stays a plain module to save and load. A model whose training step cannot fit in the device's free
+memory is refused before anything is allocated (``check_memory_fits``).
 """
 
 from __future__ import annotations
@@ -49,11 +39,6 @@ def check_dtype_on_device(dtype: str, device: torch.device) -> None:
     if dtype == "fp16" and device.type != "cuda":
         raise ValueError(f"train.dtype = fp16 needs a CUDA GPU (this run is on {device.type}): use fp32, or bf16 "
                          f"for mixed precision")
-
-
-def grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """fp16's loss scaler (train/step.py), None for the other dtypes."""
-    return torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
 
 def select_device(name: str) -> torch.device:
@@ -216,15 +201,10 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         return MuonAdamW([{**hyper[group["algorithm"]], **group} for group in groups])
     return AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
+
 def prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    """Create the run directory, prove it writable, and refuse to overwrite a run that has checkpoints."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise PermissionError(f"cannot write to run directory {run_dir}: {error.strerror or error}") from None
+    """Refuse to overwrite a run that has checkpoints, and remove what crashed saves left. The caller holds the run
+    directory's lock (run_lock.py), so the directory exists and is writable, and no other writer is alive."""
     checkpoints = run_dir / "checkpoints"
     if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ValueError(f"run directory {run_dir} already holds checkpoints: pass --resume to continue that run, "

@@ -1,23 +1,15 @@
 """One optimization step and evaluation: the learning-rate schedule, autocast, ``train_step``, ``evaluate`` and
-``DivergenceWatch``, the on-device record of the first bad step. The loop around them is trainer.py.
+``DivergenceWatch``. The loop around them is trainer.py.
 
-Design:
-- ``train_step`` is one optimizer step: k micro-batches, each loss scaled by 1/k so the accumulated gradient
-  equals one batch k times larger; global-norm clipping; AdamW with the scheduled learning rate.
-- No host sync: ``train_step`` returns its loss and grad norm as device tensors, and ``DivergenceWatch`` records
-  non-finite values on the device (first bad step, its loss and grad norm); the loop reads them only at log,
-  eval and checkpoint steps, so the device is never waited on between steps.
-- bf16/fp16 autocast covers only the forward; the loss is taken in fp32 on fp32 logits, and the weights stay fp32.
-  fp16 (for GPUs without bf16) has 5 exponent bits, so small gradients underflow: a ``torch.amp.GradScaler``
-  multiplies the loss before backward and divides the gradients before clipping, and skips (with a smaller
-  scale) a step whose gradients overflowed. Such a step reports grad norm 0, since nothing was applied: an
-  overflow is the scaler's business, not divergence (a diverging loss still shows).
-- Fine-tuning's batches (``MaskedBatch``) count only some targets: each micro-batch's summed loss is divided by
-  the counted targets of the whole step, so every counted token weighs the same however the micro-batches split
-  them, and the model gets their document ids (packed conversations attend only within themselves).
-- Data-parallel wrappers are handled here without knowing which is in use: gradients are reduced on the last
-  micro-batch only (``distributed.no_gradient_sync``: DDP's no_sync, FSDP2's requires_gradient_sync), and FSDP2's
-  replicated grad norm is turned back into a plain tensor.
+- ``train_step``: k micro-batches, each loss divided by k so the accumulated gradient is that of one batch k times
+  larger; global-norm clipping; the optimizer step at the scheduled rate. Loss and grad norm stay device tensors
+  (no host sync), and ``DivergenceWatch`` records the first non-finite step on the device.
+- bf16/fp16 autocast covers only the forward; the loss is taken in fp32 and the weights stay fp32. fp16's 5
+  exponent bits underflow small gradients, so a ``torch.amp.GradScaler`` scales the loss and skips a step whose
+  gradients overflowed; that step reports grad norm 0 (an overflow is the scaler's business, not divergence).
+- Fine-tuning's ``MaskedBatch``es count only some targets: each micro-batch's summed loss is divided by the counted
+  targets of the whole step, so every counted token weighs the same however the micro-batches split them.
+- Under DDP/FSDP2 gradients are reduced on the last micro-batch only (``distributed.no_gradient_sync``).
 """
 
 from __future__ import annotations

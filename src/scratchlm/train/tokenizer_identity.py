@@ -1,18 +1,12 @@
-"""Which tokenizer a run belongs to: its hash in the run's config (so in every checkpoint's config.json), a copy
-of the tokenizer in RUN/tokenizer/, and a model vocabulary that holds every one of its ids.
+"""Which tokenizer a run belongs to: its hash in the run's config, a copy in RUN/tokenizer/, and a vocabulary that
+holds every one of its ids.
 
-Why: a model's ids mean nothing without the exact tokenizer, and a path is no identity: the folder it names can
-be retrained, and any tokenizer of the same size loads without error and decodes garbage. So ``train`` records
-``data.tokenizer_hash`` (``Tokenizer.hash`` of data.tokenizer, else the hash the token files' headers record)
-and keeps its own copy of the tokenizer, which data.tokenizer in the run's config then names: the run needs
-nothing outside its folder to decode, and can be moved. ``generate``, ``eval``, ``export hf`` and ``--resume``
-compare whatever they are given with that hash and refuse a mismatch, naming both. The hash is of the tokenizer's
-content (vocab, merges, special tokens), never of a file: a run recorded with a tokenizer folder of the older
-layout (scratchlm's format under the name tokenizer.json) accepts the same tokenizer read from
-``scratchlm-tokenizer.json`` or from Hugging Face's ``tokenizer.json``, and the other way round.
-
-The vocabulary: model.vocab_size left out (None) is the tokenizer's vocabulary size, rounded up to a multiple of
-model.pad_vocab_to; one that is set must hold every id of the tokenizer (a larger one is padding no token uses).
+Why: a path is no identity (a folder can be retrained, and any tokenizer of the same size decodes garbage without
+error). So ``train`` records ``data.tokenizer_hash`` (of data.tokenizer, else of the token files' headers) and keeps
+its own copy, which data.tokenizer then names; ``generate``, ``eval``, ``export`` and ``--resume`` refuse a
+tokenizer with another hash. The hash is of the content (vocab, merges, special tokens), never of a file layout.
+model.vocab_size left out is the tokenizer's size (rounded up to model.pad_vocab_to); one that is set must hold
+every id.
 """
 
 from __future__ import annotations
@@ -100,29 +94,22 @@ def fit_vocab_size(config: RunConfig, tokenizer: Tokenizer | None, train: TokenF
 
     The tokenizer's size is that of data.tokenizer (``tokenizer``, as loaded), else the one data.train_path's
     header records (``train``: the size of the tokenizer that encoded it)."""
-    found, model = _tokenizer_vocab_size(config, tokenizer, train), config.model
-    if found is None:
-        if model.vocab_size is None:
-            raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
-                            "tokenizer to take it from")
+    model = config.model
+    if tokenizer is not None:
+        size, source = tokenizer.vocab_size, f"tokenizer {config.data.tokenizer}"
+    elif train is not None:
+        size, source = train.vocab_size, f"the tokenizer of data.train_path {config.data.train_path}"
+    elif model.vocab_size is None:
+        raise UserError("model.vocab_size is not set, and neither data.tokenizer nor data.train_path names a "
+                        "tokenizer to take it from")
+    else:
         return config
-    size, source = found
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=size)  # rounded up to model.pad_vocab_to on construction
     elif model.vocab_size < size:
         raise UserError(f"model.vocab_size {model.vocab_size} is smaller than the {size} ids of {source}: set it to "
                         f"at least {size}, or to none to take the tokenizer's")
     return dataclasses.replace(config, model=model)
-
-
-def _tokenizer_vocab_size(config: RunConfig, tokenizer: Tokenizer | None,
-                          train: TokenFile | None) -> tuple[int, str] | None:
-    """(vocabulary size, where it comes from) of the run's tokenizer; None when the config names none."""
-    if tokenizer is not None:
-        return tokenizer.vocab_size, f"tokenizer {config.data.tokenizer}"
-    if train is not None:
-        return train.vocab_size, f"the tokenizer of data.train_path {config.data.train_path}"
-    return None
 
 
 def run_tokenizer_dir(checkpoint: Path, config: RunConfig) -> Path | None:

@@ -1,32 +1,18 @@
 """The training loop: RunConfig in, a run directory (checkpoints, metrics.jsonl, curves.png, config.toml) out.
 
-Its pieces live beside it, and a run starts in one direction, each input read once: setup.py sets up the device and
-the run directory; resolve.py resolves the run (config -> tokenizer -> token files -> budget plan) into a
-ResolvedRun, which holds everything read; the model and optimizer are built from that (setup.py), resumed or
-initialised, and handed to the loop; step.py runs one optimizer step and evaluation. This file orders them, and
-owns the sync points, resume and stopping.
+``train`` sets up the device and run directory (setup.py), resolves the run once (resolve.py: Fresh,
+InitFrom(source) or Resume(checkpoint), tokenizer, data, plan), builds the model and optimizer and acts on the
+start: it loads the checkpoint, copies the source's weights, or keeps the seeded init. ``_Loop`` runs the steps
+(step.py) and owns the sync points: log, eval, checkpoint and stop.
 
-Design (torchtitan-style: the model knows nothing of infrastructure, the trainer applies it from outside):
-- ``train`` wraps the plain model with ``wrap`` (``wrap_model``, torch.compile, by default). A data-parallel
-  launcher passes its own ``wrap`` (DDP/FSDP); the rank and world size come from torch.distributed, and
-  only the main process (rank 0) logs, plots and writes checkpoints. The unwrapped module is what is saved.
-- No host sync per step: the loss is summed on the device, and non-finite values are recorded on the device
-  (first bad step, its loss and grad norm); both are read only at log, eval and checkpoint steps. A diverged
-  run is therefore never checkpointed, and the last good checkpoint survives.
-- Resume is exact: the checkpoint holds model, optimizer, RNG and sampler state plus the loop's own running
-  values (the partial loss window, wall time, best validation loss), and metrics.jsonl is cut back to the
-  checkpoint's step, so a resumed run's losses are bitwise those of an uninterrupted run (CPU).
-- A run directory is self-contained: its tokenizer is a copy in RUN/tokenizer, and config.toml and the
-  checkpoints' config.json hold paths relative to the run (config.run_relative). A moved or copied run resumes
-  where it is; only the token files must be given anew (--set data.train_path=...) if they did not move with it.
-- SIGINT/SIGTERM set a flag; the loop finishes the current step, saves a checkpoint and returns "interrupted".
-- A time budget (train.budget_seconds) is planned before the run from a measured step and re-planned at every log
-  step from the measured ones (budget.LivePlan: max_steps, the decay, the evaluation cadence), so the schedule's
-  cool-down ends where the time does; the loop still stops at the budget, through the same path as the last step
-  (final evaluation, checkpoint), if a step overruns it. A resumed run keeps its live plan and the budget time
-  it had used.
-- Where a run starts (Fresh, InitFrom(source) or Resume(checkpoint)) is decided once, by resolve.py; this file
-  acts on the answer: it loads the checkpoint, or copies the source's weights, or keeps the seeded init.
+- Distributed: a launcher passes its own ``wrap`` (DDP/FSDP2, distributed.py); only rank 0 logs, plots and saves.
+- No host sync per step: the loss and non-finite values stay on the device until a log/eval/checkpoint step, so
+  a diverged run is never checkpointed.
+- Resume is exact: a checkpoint holds the model, optimizer, RNG, sampler and the loop's running values
+  (``LoopState``), and metrics.jsonl is cut back to its step (bitwise equal losses on a CPU).
+- SIGINT/SIGTERM finish the current step, save a checkpoint and return "interrupted".
+- A time budget is re-planned at every log step (budget.LivePlan); a step that overruns it ends the run through the
+  same path as the last step (final evaluation, checkpoint).
 """
 
 from __future__ import annotations
@@ -38,12 +24,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -70,7 +55,6 @@ from scratchlm.train.setup import (
     build_model,
     build_optimizer,
     check_dtype_on_device,
-    grad_scaler,
     prepare_run_dir,
     select_device,
     set_matmul_precision,
@@ -133,12 +117,6 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def _rank_and_world_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def model_step_flops(config: RunConfig) -> float:
     """Forward + backward FLOPs of one optimizer step (the MFU numerator; the optimizer's own work is left out)."""
     from scratchlm.accounting.params_flops import training_step_flops
@@ -147,28 +125,20 @@ def model_step_flops(config: RunConfig) -> float:
     return float(flops.forward + flops.backward)
 
 
-def _batches(sampler: BatchSampler, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    return (sampler.next() for _ in range(count))
-
-
 @locks_run  # one trainer per run directory (run_lock.py)
 def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
           wrap: Callable[[nn.Module, RunConfig], nn.Module] = wrap_model,
           device: torch.device | None = None, model_overrides: Mapping[str, Any] | None = None,
           force_memory: bool = False, saved: RunConfig | None = None, data: ExampleData | None = None) -> TrainResult:
-    """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget); see the module
-    docstring.
+    """Train ``config`` to ``train.max_steps`` (or divergence, a stop signal or the time budget).
 
-    ``device`` (a torchrun rank's GPU, from ``distributed.launch``) overrides train.device, which stays as given
-    in the saved config.toml: a rank's ``cuda:N`` there would be refused when the run is resumed under torchrun.
-    ``model_overrides``: with train.init_from, the model fields the caller set on purpose (the CLI's ``--set
-    model.*``), each of which must agree with the source's model; None counts all of config.model (init_from.py).
-    ``force_memory`` trains a model that the memory estimate says cannot fit (setup.check_memory_fits).
-    ``saved``: on resume, the run's config.toml when the caller has read it already (else it is read here).
-    ``data``: a fine-tuning run's examples (data.format = conversations; finetune/data.py), read and checked.
+    ``device`` (a torchrun rank's GPU) overrides train.device, which config.toml keeps as given (a rank's ``cuda:N``
+    would be refused on resume under torchrun). ``model_overrides``: with train.init_from, the model fields the
+    caller set on purpose (init_from.py). ``force_memory`` skips setup.check_memory_fits. ``saved``: on resume,
+    the run's config.toml if the caller read it already. ``data``: a fine-tuning run's examples (finetune/data.py).
     """
     started = time.perf_counter()  # a budget counts from here: the probe and the start-up are spent from it
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = distributed.rank_and_world_size()
     is_main_process = rank == 0
     run_dir = Path(config.train.run_dir)
     device = device or select_device(config.train.device)
@@ -221,8 +191,8 @@ def _train(run: ResolvedRun, quiet: bool, wrap: Callable[[nn.Module, RunConfig],
         logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
                                wandb_project=config.train.wandb_project if config.train.wandb else None,
                                wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
-    loop = _Loop(config, model, raw_model, optimizer, sampler, run.val_tokens, checkpoints, logger, state, device,
-                 world_size, quiet, started, run.data)
+    loop = _Loop(run, config, model, raw_model, optimizer, sampler, checkpoints, logger, state, device, world_size,
+                 quiet, started)
     try:
         with StopRequest() as stop:
             return loop.run(stop)
@@ -244,13 +214,14 @@ def _restore(checkpoints: CheckpointManager, path: Path, model: nn.Module, optim
 class _Loop:
     """The step loop and its sync points (log, eval, checkpoint, stop); only rank 0 logs and checkpoints."""
 
-    def __init__(self, config: RunConfig, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
-                 sampler: BatchSampler, val_tokens: np.ndarray | None, checkpoints, logger: MetricsLogger | None,
-                 state: LoopState, device: torch.device, world_size: int, quiet: bool = True,
-                 started: float | None = None, data: ExampleData | None = None) -> None:
+    def __init__(self, run: ResolvedRun, config: RunConfig, model: nn.Module, raw_model: nn.Module,
+                 optimizer: torch.optim.Optimizer, sampler: BatchSampler, checkpoints: CheckpointManager,
+                 logger: MetricsLogger | None, state: LoopState, device: torch.device, world_size: int, quiet: bool,
+                 started: float) -> None:
+        self.run_data, self.val_tokens = run.data, run.val_tokens  # fine-tuning's examples, or the val token file
+        self.has_validation = run.val_tokens is not None or (run.data is not None and run.data.has_validation)
         self.config, self.model, self.raw_model, self.optimizer = config, model, raw_model, optimizer
-        self.data = data  # fine-tuning's examples: their validation rows, not val_tokens
-        self.sampler, self.val_tokens, self.checkpoints, self.logger = sampler, val_tokens, checkpoints, logger
+        self.sampler, self.checkpoints, self.logger = sampler, checkpoints, logger
         self.state, self.device, self.world_size = state, device, world_size
         self.tokens_per_step = config.tokens_per_step * world_size
         self.watch = DivergenceWatch(device, config.train.max_loss)
@@ -263,7 +234,7 @@ class _Loop:
         self.live = LivePlan.start(config, state.plan) if config.train.budget_seconds is not None else None
         if self.live is not None:
             self.config = self.live.applied(config)
-        self.scaler = grad_scaler(config.train.dtype, device)
+        self.scaler = torch.amp.GradScaler(device.type) if config.train.dtype == "fp16" else None  # step.py
         if self.scaler is not None and state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
         self.draws_curves = logger is not None and can_draw_curves()
@@ -282,7 +253,7 @@ class _Loop:
             self.live.begin_session(self.state.step, self.budget)
         while self.state.step < cfg.max_steps:
             lr = learning_rate(self.state.step, self.config, self.live and self.live.replanned())
-            batches = list(_batches(self.sampler, cfg.grad_accum_steps))
+            batches = [self.sampler.next() for _ in range(cfg.grad_accum_steps)]
             loss, grad_norm = train_step(self.model, self.optimizer, batches, lr=lr,
                                          grad_clip=self.config.optim.grad_clip, dtype=cfg.dtype, scaler=self.scaler)
             self.state.step += 1
@@ -310,8 +281,7 @@ class _Loop:
                 if self.live is not None and not final:
                     cfg = self._replan(step)
             # A checkpoint records the val_loss of its own step only: best.json must not credit it with an older one.
-            has_validation = self.val_tokens is not None or (self.data is not None and self.data.has_validation)
-            val_loss = self._paused(self._evaluate) if evaluate_now and has_validation else None
+            val_loss = self._paused(self._evaluate) if evaluate_now and self.has_validation else None
             if save:
                 self._paused(functools.partial(self._checkpoint, val_loss))
             if stopping:
@@ -403,8 +373,8 @@ class _Loop:
         if self.logger is None and not distributed.is_fsdp(self.raw_model):
             return None
         # The unwrapped model: a DDP wrapper would try to sync buffers with ranks that are not evaluating.
-        if self.data is not None:
-            batches = self.data.validation_batches(self.config, self.device, self.config.train.eval_batches)
+        if self.run_data is not None:
+            batches = self.run_data.validation_batches(self.config, self.device, self.config.train.eval_batches)
             val_loss = evaluate_masked(self.raw_model, batches, self.device, self.config.train.dtype)
         else:
             val_loss = evaluate(self.raw_model, self.val_tokens, self.config, self.device,
