@@ -155,11 +155,7 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
 
     cfg = model.config
     ours = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
-    hf = to_hf_state_dict(ours, cfg)
-    if arch == "llama":  # llama.cpp's llama graph pairs RoPE rows as we do: Q/K rows as they are in our model
-        for i in range(cfg.num_layers):
-            for proj in ("q_proj", "k_proj"):
-                hf[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"layers.{i}.attn.{proj}.weight"]
+    hf = to_hf_state_dict(ours, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
     names = gguf.get_tensor_name_map(model_arch(arch), cfg.num_layers)
     tensors = {}
     for hf_name, tensor in hf.items():

@@ -63,11 +63,7 @@ def read_gguf(path: Path, *, max_gib: float, dtype: torch.dtype | None = None):
     to_gguf = _gguf_names(arch, cfg.num_layers, expected)
     _check_tensors(tensors, {to_gguf[name]: shape for name, shape in expected.items()}, path)
     hf = {name: _read_tensor(tensors[to_gguf[name]], path) for name in expected}
-    state = from_hf_state_dict(hf, cfg)
-    if arch == "llama":  # llama.cpp's llama graph pairs RoPE rows as we do: its Q/K rows are ours as they are
-        for i in range(cfg.num_layers):
-            for proj in ("q_proj", "k_proj"):
-                state[f"layers.{i}.attn.{proj}.weight"] = hf[f"model.layers.{i}.self_attn.{proj}.weight"]
+    state = from_hf_state_dict(hf, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
     model = TransformerLM(cfg, dtype=dtype)
     load_model_state(model, state, where=str(path))  # cast to `dtype` here
     try:
