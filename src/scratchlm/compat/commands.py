@@ -58,28 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description="Read a Llama, Mistral, Qwen2 or Qwen3 folder (config.json + "
                                                "*.safetensors [+ tokenizer.json]) into a run directory.")
     hf.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
-    hf.add_argument("--out", required=True, type=Path, help="run directory to create")
-    hf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
-                    help=f"refuse a config.json whose model would allocate more than this many GiB before its "
-                         f"weights are checked (default {DEFAULT_MAX_GIB:g})")
-    hf.add_argument("--dtype", choices=DTYPES, default="fp32",
-                    help="build the model and store its weights in this dtype (default fp32; bf16/fp16 weights "
-                         "widen to it exactly)")
-    hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
-    hf.set_defaults(func=run_import_hf)
     gguf = import_formats.add_parser("gguf", help="GGUF file (llama.cpp's llama, qwen2, qwen3; f32/f16/bf16/q8_0)",
                                      description="Read a GGUF file of llama.cpp's llama, qwen2 or qwen3 architecture "
                                                  "(weights f32, f16, bf16 or q8_0, dequantised) into a run directory.")
     gguf.add_argument("file", type=Path, help="the .gguf file")
-    gguf.add_argument("--out", required=True, type=Path, help="run directory to create")
-    gguf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
-                      help=f"refuse a file whose model would allocate more than this many GiB before its weights "
-                           f"are read (default {DEFAULT_MAX_GIB:g})")
-    gguf.add_argument("--dtype", choices=DTYPES, default="fp32",
-                      help="build the model and store its weights in this dtype (default fp32)")
-    gguf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
-    gguf.set_defaults(func=run_import_gguf)
-
+    for parser, source, handler in ((hf, "config.json", run_import_hf), (gguf, "file", run_import_gguf)):
+        parser.add_argument("--out", required=True, type=Path, help="run directory to create")
+        parser.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
+                            help=f"refuse a {source} whose model would allocate more than this many GiB before its "
+                                 f"weights are read (default {DEFAULT_MAX_GIB:g})")
+        parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                            help="build the model and store its weights in this dtype (default fp32; bf16/fp16 "
+                                 "weights widen to it exactly)")
+        parser.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
+        parser.set_defaults(func=handler)
 
 # ---------------------------------------------------------------------------------------------------- export
 
