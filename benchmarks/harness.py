@@ -130,9 +130,9 @@ def hf_llama(config, hf_state_dict: dict, attention: str, *, strict: bool = True
     never reads; ``generate(use_cache=True)`` still turns it on."""
     from transformers import LlamaForCausalLM
 
-    from scratchlm.compat.hf import to_hf_llama_config
+    from scratchlm.compat.hf import to_hf_config
 
-    hf_config = to_hf_llama_config(config)
+    hf_config = to_hf_config(config, "llama")
     hf_config._attn_implementation = attention
     hf_config.use_cache = False
     model = LlamaForCausalLM(hf_config)

@@ -127,12 +127,12 @@ def test_kv_cache_bytes_per_token_equal_the_real_cache(overrides):
 def test_gqa_param_count_equals_hugging_face_llama():
     from transformers import LlamaForCausalLM
 
-    from scratchlm.compat.hf import to_hf_llama_config
+    from scratchlm.compat.hf import to_hf_config
 
     for overrides in (dict(num_kv_heads=2), dict(num_kv_heads=1, head_dim=16)):
         config = _config(overrides)
         with torch.device("meta"):
-            hf = LlamaForCausalLM(to_hf_llama_config(config))
+            hf = LlamaForCausalLM(to_hf_config(config, "llama"))
         assert count_params(config).total == sum(p.numel() for p in hf.parameters())
 
 

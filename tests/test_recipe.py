@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.accounting.params_flops import count_params
-from scratchlm.compat.hf import check_llama_compatible
+from scratchlm.compat.hf import check_expressible
 from scratchlm.config import RunConfig, load_config
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.model.attention import MultiHeadSelfAttention
@@ -100,8 +100,8 @@ def test_modern_model_trains_its_gradients_are_finite():
 
 def test_hf_export_refuses_what_llama_cannot_express():
     with pytest.raises(ValueError, match="qk_norm=True.*logit_softcap=15.0|ffn='relu2'"):
-        check_llama_compatible(tiny(**MODERN))
-    check_llama_compatible(tiny(zero_init_residual=True))  # only an initialisation: exports fine
+        check_expressible(tiny(**MODERN), "llama")
+    check_expressible(tiny(zero_init_residual=True), "llama")  # only an initialisation: exports fine
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -1,20 +1,12 @@
 """`scratchlm demo`: the whole pipeline in one command, on a CPU, in a few minutes.
 
-corpus -> BPE tokenizer -> token files -> a model trained with the modern recipe for a wall-clock budget ->
-a generated story -> the run's HTML/Markdown report. Everything lands in one output folder that is printed at
-the end.
-
-Design:
-- The default corpus is TinyStories from the shared data folder (scratchlm.paths), else the files that
-  ``scratchlm data download tinystories`` puts in its default folder; ``--data FILE`` trains on any UTF-8 text
-  instead, holding out its last ~5% (cut at a nearby document or line boundary) for validation. Only the first
-  ``MAX_CORPUS_BYTES`` of a corpus are used, so a huge file cannot blow the time budget.
-- The time budget is the trainer's own (``train.budget_seconds``, train/budget.py): a probe measures the step
-  time and the steps are planned to fill ``--minutes``; if the machine slows down, training still ends at the
-  budget with a final evaluation and checkpoint, and the story is sampled from that.
-- The model and optimizer settings come from a recipe file (``--config``, default configs/recipes/modern.toml),
-  its vocabulary size included unless ``--vocab-size`` says otherwise; ``--set section.key=value`` changes any of
-  them, as for ``scratchlm train``.
+corpus -> BPE tokenizer -> token files -> a model trained with a recipe (``--config``, default
+configs/recipes/modern.toml; ``--set`` changes any field) for a wall-clock budget -> a generated story -> the run's
+report -> a Hugging Face export, all in one output folder. The corpus is TinyStories (the shared data folder's,
+else `scratchlm data download tinystories`'s) or ``--data FILE``, whose last ~5% is held out for validation; only
+its first ``MAX_CORPUS_BYTES`` are used. The budget is the trainer's own (``train.budget_seconds``): it plans the
+steps to fill ``--minutes`` and still ends at the budget, with a final evaluation and checkpoint, if the machine
+slows down.
 """
 
 from __future__ import annotations
@@ -24,8 +16,6 @@ import codecs
 import math
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,35 +32,17 @@ EOT = "<|endoftext|>"
 PROMPT = "Once upon a time"
 
 
-@dataclass
 class DemoPaths:
     """Where each artifact goes inside OUT."""
 
-    out: Path
-
-    @property
-    def tokenizer(self) -> Path:
-        return self.out / "tokenizer"
-
-    @property
-    def data(self) -> Path:
-        return self.out / "data"
-
-    @property
-    def run(self) -> Path:
-        return self.out / "run"
-
-    @property
-    def report(self) -> Path:
-        return self.run / "report"
-
-    @property
-    def sample(self) -> Path:
-        return self.out / "sample.txt"
-
-    @property
-    def hf(self) -> Path:
-        return self.out / "hf"
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.tokenizer = out / "tokenizer"
+        self.data = out / "data"
+        self.run = out / "run"
+        self.report = self.run / "report"
+        self.sample = out / "sample.txt"
+        self.hf = out / "hf"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -180,14 +152,10 @@ def demo_config(paths: DemoPaths, recipe: Path, vocab_size: int, minutes: float,
         f"train.run_dir={paths.run}", f"train.budget_seconds={minutes * 60}", *overrides])
 
 
-def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) -> str:
+def sample_story(model, tokenizer, *, max_new_tokens: int = 256, seed: int = 0) -> str:
     """A story continuing PROMPT: up to `max_new_tokens` new tokens, as many as the model's context leaves."""
     from scratchlm.generate.decoding import generate
-    from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.train.checkpoint import load_for_inference
 
-    tokenizer = Tokenizer.load(paths.tokenizer)
-    model, _ = load_for_inference(paths.run)
     prompt = tokenizer.encode(PROMPT)
     max_new_tokens = min(max_new_tokens, model.config.context_length + 1 - len(prompt))
     new_ids = generate(model, prompt, max_new_tokens, temperature=0.8, top_p=0.95,
@@ -196,12 +164,14 @@ def sample_story(paths: DemoPaths, *, max_new_tokens: int = 256, seed: int = 0) 
 
 
 def run_demo(args: argparse.Namespace) -> int:
-
     from scratchlm.config import load_config
     from scratchlm.data.encode import encode_corpus
     from scratchlm.errors import UserError
+    from scratchlm.experiments.report import write_report
     from scratchlm.tokenizer.tokenizer import Tokenizer
     from scratchlm.tokenizer.train_bpe import train_bpe
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.trainer import train
 
     started = time.perf_counter()
     if not (math.isfinite(args.minutes) and args.minutes > 0):  # inf would overflow only after the tokenizer's work
@@ -226,14 +196,6 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"      {split}: {stats.summary()}")
 
     config = demo_config(paths, args.config, tokenizer.vocab_size, args.minutes, args.overrides)
-    return _train_sample_report(args, paths, config, say, started)
-
-
-def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: RunConfig, say: Callable[[str], None],
-                         started: float) -> int:
-    from scratchlm.experiments.report import write_report
-    from scratchlm.train.trainer import train
-
     say(f"[3/6] training d_model={config.model.d_model} x {config.model.num_layers} layers ({args.config.name}) "
         f"for {args.minutes:g} min")
     result = train(config, quiet=args.quiet)
@@ -247,10 +209,11 @@ def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: Run
         return 130 if result.status == "interrupted" else 1
 
     say(f"[5/6] sampling from the model (prompt {PROMPT!r})")
-    story = sample_story(paths)
+    model, _ = load_for_inference(paths.run)
+    story = sample_story(model, tokenizer)
     paths.sample.write_text(story + "\n", encoding="utf-8")
     say(f"[6/6] exporting the model for Hugging Face transformers to {paths.hf}")
-    exported = export_for_transformers(paths)
+    exported = export_for_transformers(model, tokenizer, paths.hf)
     say(f"      {exported}")
     val = f"{result.best_val_loss:.3f}" if result.best_val_loss is not None else "n/a"
     print(f"\n{story}\n")
@@ -270,9 +233,9 @@ def _train_sample_report(args: argparse.Namespace, paths: DemoPaths, config: Run
     return 0
 
 
-def export_for_transformers(paths: DemoPaths) -> str:
-    """Export the trained model to ``paths.hf`` (compat/hf_export.py) when the [hf] extra is installed; returns
-    the architecture line it printed, or why nothing was written."""
+def export_for_transformers(model, tokenizer, out: Path) -> str:
+    """Export the trained model to `out` (compat/hf_export.py) when the [hf] extra is installed; returns the
+    architecture line it printed, or why nothing was written."""
     from scratchlm.compat.hf_import import HF_PACKAGES
     from scratchlm.extras import optional_import
 
@@ -280,8 +243,5 @@ def export_for_transformers(paths: DemoPaths) -> str:
     if missing:
         return f"skipped: {', '.join(missing)} not installed (pip install 'scratchlm[hf]')"
     from scratchlm.compat.hf_export import export_hf
-    from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.train.checkpoint import load_for_inference
 
-    model, _ = load_for_inference(paths.run)
-    return "architecture " + export_hf(model, Tokenizer.load(paths.tokenizer), paths.hf)
+    return "architecture " + export_hf(model, tokenizer, out)

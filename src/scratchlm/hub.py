@@ -1,20 +1,12 @@
 """The Hugging Face Hub, through huggingface_hub: fetch one file of a repository, push one folder to one.
 
-Used by `scratchlm data download hf:OWNER/NAME/PATH` (and `tinystories`, two such files) and by `scratchlm export
-hf --push-to-hub OWNER/NAME`. huggingface_hub speaks the Hub's protocol, so nothing of it is written here:
-
-- ``hf_hub_download`` asks the Hub for the file's ETag and commit (a HEAD request), keeps the file in its cache
-  (``HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``) under that ETag, so a second download of an unchanged
-  file transfers nothing and an offline rerun is served from the cache; it checks the transfer against the size
-  the Hub announced, resumes a transfer cut short with an HTTP Range request, and uses Xet storage when the file
-  lives there.
-- ``HfApi.create_repo`` + ``upload_folder`` create the repository when it is missing and commit the folder.
-- The token is huggingface_hub's usual one (``HF_TOKEN``, else the one ``hf auth login`` stored); ``HF_ENDPOINT``
-  names a mirror or a self-hosted Hub.
-
-This module adds two things: the ``hf:OWNER/NAME/PATH`` spelling, and turning every failure (huggingface_hub's
-errors, and its HTTP client's, whose classes change between its versions) into one line that names the file or
-repository and says what to do.
+Used by `scratchlm data download hf:OWNER/NAME/PATH` (and `tinystories`) and `scratchlm export hf --push-to-hub`.
+huggingface_hub speaks the Hub's protocol: ``hf_hub_download`` caches files under their ETag (``HF_HUB_CACHE``; an
+unchanged file is not transferred again, an offline rerun is served from the cache), checks and resumes
+transfers; ``create_repo`` + ``upload_folder`` commit a folder; the token is its usual one (``HF_TOKEN`` or
+`hf auth login`), ``HF_ENDPOINT`` names a mirror. This module adds the ``hf:OWNER/NAME/PATH`` spelling, and turns
+every failure (huggingface_hub's errors and its HTTP client's, whose classes change between its versions) into
+one line that names the file or repository and says what to do.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ from types import ModuleType
 from scratchlm.errors import UserError
 from scratchlm.extras import require
 
-HUB_EXTRA = "hub"  # pip install 'scratchlm[hub]' brings huggingface_hub
 REPO_TYPES = ("dataset", "model")
 
 
@@ -38,7 +29,7 @@ class HubError(UserError):
 
 def require_hub(feature: str) -> ModuleType:
     """huggingface_hub, or a one-line MissingExtra naming the [hub] extra."""
-    return require("huggingface_hub", HUB_EXTRA, feature)
+    return require("huggingface_hub", "hub", feature)
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,6 @@ import os
 MAX_DEFAULT_WORKERS = 8
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def default_workers() -> int:
-    return min(usable_cores(), MAX_DEFAULT_WORKERS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_DEFAULT_WORKERS)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from scratchlm.output_paths import removed_on_failure
+
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 
 
@@ -59,11 +61,6 @@ def made_folder(path: str | Path) -> Iterator[Path]:
     """mkdir -p `path`; when the block fails, remove the folders this call created with what the block put there
     (they did not exist before it, so all they hold is the half-written output)."""
     path = Path(path)
-    created = [folder for folder in (path, *path.parents) if not folder.exists()]
-    path.mkdir(parents=True, exist_ok=True)
-    try:
+    with removed_on_failure(path):
+        path.mkdir(parents=True, exist_ok=True)
         yield path
-    except BaseException:
-        if created:
-            shutil.rmtree(created[-1], ignore_errors=True)
-        raise

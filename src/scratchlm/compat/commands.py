@@ -58,28 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description="Read a Llama, Mistral, Qwen2 or Qwen3 folder (config.json + "
                                                "*.safetensors [+ tokenizer.json]) into a run directory.")
     hf.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
-    hf.add_argument("--out", required=True, type=Path, help="run directory to create")
-    hf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
-                    help=f"refuse a config.json whose model would allocate more than this many GiB before its "
-                         f"weights are checked (default {DEFAULT_MAX_GIB:g})")
-    hf.add_argument("--dtype", choices=DTYPES, default="fp32",
-                    help="build the model and store its weights in this dtype (default fp32; bf16/fp16 weights "
-                         "widen to it exactly)")
-    hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
-    hf.set_defaults(func=run_import_hf)
     gguf = import_formats.add_parser("gguf", help="GGUF file (llama.cpp's llama, qwen2, qwen3; f32/f16/bf16/q8_0)",
                                      description="Read a GGUF file of llama.cpp's llama, qwen2 or qwen3 architecture "
                                                  "(weights f32, f16, bf16 or q8_0, dequantised) into a run directory.")
     gguf.add_argument("file", type=Path, help="the .gguf file")
-    gguf.add_argument("--out", required=True, type=Path, help="run directory to create")
-    gguf.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
-                      help=f"refuse a file whose model would allocate more than this many GiB before its weights "
-                           f"are read (default {DEFAULT_MAX_GIB:g})")
-    gguf.add_argument("--dtype", choices=DTYPES, default="fp32",
-                      help="build the model and store its weights in this dtype (default fp32)")
-    gguf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
-    gguf.set_defaults(func=run_import_gguf)
-
+    for parser, source, handler in ((hf, "config.json", run_import_hf), (gguf, "file", run_import_gguf)):
+        parser.add_argument("--out", required=True, type=Path, help="run directory to create")
+        parser.add_argument("--max-gib", type=float, default=DEFAULT_MAX_GIB,
+                            help=f"refuse a {source} whose model would allocate more than this many GiB before its "
+                                 f"weights are read (default {DEFAULT_MAX_GIB:g})")
+        parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                            help="build the model and store its weights in this dtype (default fp32; bf16/fp16 "
+                                 "weights widen to it exactly)")
+        parser.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
+        parser.set_defaults(func=handler)
 
 # ---------------------------------------------------------------------------------------------------- export
 
@@ -88,9 +80,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.extras import require
     from scratchlm.hub import push_folder, require_hub
-    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
-    from scratchlm.train.checkpoint import load_for_inference
-    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+    from scratchlm.output_paths import refuse_foreign_folder, removed_on_failure
 
     for package in HF_PACKAGES:  # checked first: one line naming the extra, not a traceback halfway through
         require(package, "hf", "scratchlm export hf")
@@ -98,11 +88,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
         raise UserError("--private is for --push-to-hub (the visibility of the repository it creates)")
     if args.push_to_hub:
         require_hub("scratchlm export hf --push-to-hub")
-
-    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
-    refuse_foreign_folder(args.out, force=args.force)
-    model, config = load_for_inference(args.checkpoint)
-    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+    model, _, tokenizer = _model_to_export(args, refuse_foreign_folder)
     with removed_on_failure(args.out):
         why = export_hf(model, tokenizer, args.out)
     print(f"architecture {why}")
@@ -115,15 +101,10 @@ def run_export_hf(args: argparse.Namespace) -> int:
 def run_export_gguf(args: argparse.Namespace) -> int:
     from scratchlm.compat.gguf_export import export_gguf
     from scratchlm.extras import require
-    from scratchlm.output_paths import refuse_file, refuse_inputs, removed_on_failure
-    from scratchlm.train.checkpoint import load_for_inference
-    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+    from scratchlm.output_paths import refuse_file, removed_on_failure
 
     require("gguf", "gguf", "scratchlm export gguf")
-    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
-    refuse_file(args.out, force=args.force)
-    model, config = load_for_inference(args.checkpoint)
-    tokenizer = tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+    model, config, tokenizer = _model_to_export(args, refuse_file)
     name = Path(config.train.run_dir).name if config.train.run_dir else args.checkpoint.resolve().name
     with removed_on_failure(args.out.parent):  # the folders made for it, when the export fails
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,50 +116,52 @@ def run_export_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_to_export(args: argparse.Namespace, refuse_existing) -> tuple:
+    """(model, RunConfig, tokenizer) of --checkpoint and --tokenizer, once --out is known to overwrite neither
+    (nor, by `refuse_existing`, anything else without --force)."""
+    from scratchlm.output_paths import refuse_inputs
+    from scratchlm.train.checkpoint import load_for_inference
+    from scratchlm.train.tokenizer_identity import tokenizer_for_run
+
+    refuse_inputs(args.out, [args.checkpoint, *([args.tokenizer] if args.tokenizer else [])])
+    refuse_existing(args.out, force=args.force)
+    model, config = load_for_inference(args.checkpoint)
+    return model, config, tokenizer_for_run(args.checkpoint, config, args.tokenizer)  # refuses another tokenizer
+
+
 # ---------------------------------------------------------------------------------------------------- import
 
 def run_import_hf(args: argparse.Namespace) -> int:
-    import torch
-
     from scratchlm.compat.hf_import import read_hf_folder
-    from scratchlm.errors import UserError
     from scratchlm.extras import require
-    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     for package in HF_PACKAGES:
         require(package, "hf", "scratchlm import hf")
-
-    model_dir, run_dir = args.model, args.out
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
-    refuse_inputs(run_dir, [model_dir])
-    if (run_dir / "checkpoints").exists():
-        raise UserError(f"{run_dir} already holds a run (checkpoints/); choose a new --out")
-    refuse_foreign_folder(run_dir, force=args.force)
-    dtype = getattr(torch, TORCH_DTYPE_NAMES[args.dtype])
-    model, tokenizer, missing = read_hf_folder(model_dir, max_gib=args.max_gib, dtype=dtype)
-    with removed_on_failure(run_dir):
-        checkpoint = write_run(model, tokenizer, run_dir)
-    note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"
-    print(f"wrote run directory {run_dir} with checkpoint {checkpoint}{note}")
-    return 0
+    if not (args.model / "config.json").is_file():
+        raise FileNotFoundError(f"{args.model} is not a Hugging Face model folder (no config.json)")
+    return _import_run(args, args.model, read_hf_folder)
 
 
 def run_import_gguf(args: argparse.Namespace) -> int:
-    import torch
-
     from scratchlm.compat.gguf_import import read_gguf
-    from scratchlm.errors import UserError
     from scratchlm.extras import require
-    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     require("gguf", "gguf", "scratchlm import gguf")
-    refuse_inputs(args.out, [args.file])
+    return _import_run(args, args.file, read_gguf)
+
+
+def _import_run(args: argparse.Namespace, source: Path, read) -> int:
+    """Read `source` with `read` (read_hf_folder or read_gguf) and write it as the run directory --out."""
+    import torch
+
+    from scratchlm.errors import UserError
+    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+
+    refuse_inputs(args.out, [source])
     if (args.out / "checkpoints").exists():
         raise UserError(f"{args.out} already holds a run (checkpoints/); choose a new --out")
     refuse_foreign_folder(args.out, force=args.force)
-    dtype = getattr(torch, TORCH_DTYPE_NAMES[args.dtype])
-    model, tokenizer, missing = read_gguf(args.file, max_gib=args.max_gib, dtype=dtype)
+    model, tokenizer, missing = read(source, max_gib=args.max_gib, dtype=getattr(torch, TORCH_DTYPE_NAMES[args.dtype]))
     with removed_on_failure(args.out):
         checkpoint = write_run(model, tokenizer, args.out)
     note = "" if tokenizer else f" ({missing}; pass --tokenizer to generate)"

@@ -1,34 +1,18 @@
 """Writing a TransformerLM and its Tokenizer as one GGUF file that llama.cpp (ollama, LM Studio, llama-cpp-python)
 loads and decodes as we do.
 
-The architecture is the one `scratchlm export hf` writes (compat/hf.py's `choose_architecture`: the first of Llama,
-Qwen2, Qwen3 that expresses the model exactly), under llama.cpp's name for it (``llama``, ``qwen2``, ``qwen3``);
-a model none of them expresses (ReLU², a logit cap, post-norm, no norm, ...) is refused naming the field and
-value, before anything is written. Tensors get llama.cpp's names through the `gguf` package's own table
-(``gguf.get_tensor_name_map``, which maps Hugging Face names to GGUF ones, the map llama.cpp's converter uses),
-starting from compat/hf.py's Hugging Face state dict.
+The architecture is the one `export hf` writes (compat/hf.py's `choose_architecture`) under llama.cpp's name
+(``llama``, ``qwen2``, ``qwen3``); a model none of them expresses is refused naming the field and value, before
+anything is written. Tensor names come from the `gguf` package's own Hugging Face -> GGUF table. llama.cpp's
+``llama`` graph rotates adjacent RoPE pairs as we do, its Qwen graphs rotate halves as Hugging Face does, so a
+``llama`` file holds our Q/K rows as they are and a Qwen file Hugging Face's. Llama 3's RoPE scaling is llama.cpp's
+``rope_freqs`` tensor (one divisor per frequency), which only its ``llama`` graph reads.
 
-RoPE's row order. We rotate adjacent pairs (x₂ᵢ, x₂ᵢ₊₁); Hugging Face rotates halves, so compat/hf.py permutes
-the Q/K rows. llama.cpp has both: its ``llama`` graph rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM; its converter
-un-permutes Hugging Face's Q/K rows to get there), its ``qwen2``/``qwen3`` graphs rotate halves (NEOX). So a
-``llama`` file holds our Q/K rows as they are and a Qwen file holds Hugging Face's (permuted, with the q/k biases
-and q_norm/k_norm gains that follow those rows).
-
-Llama 3's RoPE scaling is llama.cpp's ``rope_freqs`` tensor: one divisor per frequency, ω / ω_scaled, computed here
-by our own `Llama3Scaling`; only the ``llama`` graph reads it, so a Qwen-shaped model with it is refused.
-
-The tokenizer is byte-level BPE, ``tokenizer.ggml.model = "gpt2"``: tokens in GPT-2's byte-to-unicode spelling
-(special tokens as their text, typed CONTROL; ids the model has beyond the tokenizer as UNUSED ``[PADi]``), merges
-as "left right", and ``tokenizer.ggml.pre``, the name llama.cpp gives the split pattern (`PRE_TOKENIZERS`); a
-pattern llama.cpp does not know is refused, since it would split text differently. llama.cpp ignores merges for
-``llama-bpe`` and applies them otherwise; a pipeline that says the other thing is written only when no token's
-bytes merge to anything but that token (then the two rules agree on every text). Qwen2's NFC normalizer is not
-run by llama.cpp: such a tokenizer is written (as llama.cpp's converter writes Qwen2's) with a note.
-
-Types: f32 (every tensor), f16 and q8_0 (2-D weights; 1-D norms, biases and rope_freqs stay f32), quantised by the
-`gguf` package's numpy port of ggml's code; a weight whose rows are not whole q8_0 blocks of 32 falls back to f16,
-as llama.cpp's converter does. The file appears only when complete (a temporary file in the same folder, fsynced,
-then renamed).
+The tokenizer is byte-level BPE (``tokenizer.ggml.model = "gpt2"``) with ``tokenizer.ggml.pre`` naming our split
+pattern (`PRE_TOKENIZERS`; an unknown one is refused). llama.cpp ignores merges for ``llama-bpe`` and applies them
+otherwise; a pipeline that says the other thing is written only when that changes no token's encoding. llama.cpp
+runs no NFC: such a tokenizer is written with a note. Types: f32, f16 and q8_0 (2-D weights only; a row that is
+not whole q8_0 blocks falls back to f16, as llama.cpp's converter does). The file appears only when complete.
 """
 
 from __future__ import annotations
@@ -38,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scratchlm.tokenizer.formats.hf import EOS_TOKEN
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, LLAMA3_SPLIT_PATTERN, QWEN2_SPLIT_PATTERN
 
 if TYPE_CHECKING:  # numpy, torch and gguf are imported where they are used
     import numpy as np
+    import torch
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 # Our split pattern -> (llama.cpp's tokenizer.ggml.pre, whether llama.cpp ignores merges for it).
@@ -148,18 +132,13 @@ def export_gguf(model, tokenizer, out: Path, gguf_type: str = "f32", *, name: st
 def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     """{llama.cpp tensor name: float32 array in numpy's row-major shape} of `model` for the `arch` graph."""
     import gguf
-    import torch
 
     from scratchlm.compat.hf import to_hf_state_dict
     from scratchlm.model.attention import Llama3Scaling
 
     cfg = model.config
     ours = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
-    hf = to_hf_state_dict(ours, cfg)
-    if arch == "llama":  # llama.cpp's llama graph pairs RoPE rows as we do: Q/K rows as they are in our model
-        for i in range(cfg.num_layers):
-            for proj in ("q_proj", "k_proj"):
-                hf[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"layers.{i}.attn.{proj}.weight"]
+    hf = to_hf_state_dict(ours, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
     names = gguf.get_tensor_name_map(model_arch(arch), cfg.num_layers)
     tensors = {}
     for hf_name, tensor in hf.items():
@@ -169,10 +148,18 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         tensors[gguf_name] = tensor.numpy()
     scaling = Llama3Scaling.of(cfg)
     if scaling is not None:
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        tensors[name] = (inv_freq / scaling(inv_freq)).numpy()  # llama.cpp divides each frequency by it
+        tensors[name] = rope_freqs(cfg.rope_theta, cfg.head_dim, scaling).numpy()
     return tensors
+
+
+def rope_freqs(theta: float, head_dim: int, scaling) -> torch.Tensor:
+    """llama.cpp's rope_freqs (head_dim/2,): ω / ω_scaled, the divisor of each frequency ω = θ^(-2i/head_dim)
+    under `scaling` (a Llama3Scaling)."""
+    import torch
+
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return inv_freq / scaling(inv_freq)
 
 
 def model_arch(arch: str):
@@ -194,12 +181,6 @@ def _encoded(array: np.ndarray, gguf_type: str) -> tuple[np.ndarray, object]:
     return np.ascontiguousarray(array, dtype=np.float16), GGMLQuantizationType.F16
 
 
-def _file_type(gguf_type: str) -> int:
-    from gguf import LlamaFileType
-
-    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[gguf_type]
-
-
 def _add_metadata(writer, cfg, gguf_type: str, name: str, run: str | None) -> None:
     import gguf
 
@@ -211,7 +192,8 @@ def _add_metadata(writer, cfg, gguf_type: str, name: str, run: str | None) -> No
     writer.add_string(KEY_VERSION, __version__)
     if run:
         writer.add_string(KEY_RUN, run)
-    writer.add_file_type(_file_type(gguf_type))
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_context_length(cfg.context_length)
@@ -233,6 +215,7 @@ def _add_metadata(writer, cfg, gguf_type: str, name: str, run: str | None) -> No
 def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     from gguf import TokenType
 
+    from scratchlm.compat.hf_export import eos_id
     from scratchlm.tokenizer.formats.io import to_gpt2_string
 
     specials = {tokenizer.special_id(token): token for token in tokenizer.special_tokens}
@@ -254,8 +237,7 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     writer.add_token_merges([f"{to_gpt2_string(a)} {to_gpt2_string(b)}" for a, b in tokenizer.merges])
     writer.add_bool(KEY_NFC, tokenizer.pipeline.nfc)
     writer.add_bool(KEY_IGNORE_MERGES, tokenizer.pipeline.ignore_merges)
-    if EOS_TOKEN in specials.values():
-        eos = tokenizer.special_id(EOS_TOKEN)
+    if (eos := eos_id(tokenizer)) is not None:
         writer.add_bos_token_id(eos)  # as export hf: our models start without a BOS; documents end with this
         writer.add_eos_token_id(eos)
     if tokenizer.end_of_turn_ids:  # where a chat turn ends (llama.cpp stops there too)

@@ -1,23 +1,15 @@
 """Reading a GGUF file (llama.cpp's format) as a TransformerLM and its Tokenizer: `scratchlm import gguf`.
 
-The inverse of compat/gguf_export.py, for the architectures it writes: llama.cpp's ``llama`` (grouped-query
-attention, tied embeddings, Llama 3's ``rope_freqs``), ``qwen2`` (q/k/v biases) and ``qwen3`` (QK-norm), with
-weights stored as f32, f16, bf16 or q8_0 (dequantised by the `gguf` package, then cast to the dtype asked for).
-Tensors go GGUF name -> Hugging Face name (the `gguf` package's own table, inverted over the names our model
-has) -> ours (compat/hf.py), except that a ``llama`` file's Q/K rows are already in our RoPE pairing (see
-gguf_export.py) and are taken as they are.
+The inverse of compat/gguf_export.py, for llama.cpp's ``llama``, ``qwen2`` and ``qwen3``, with weights stored as
+f32, f16, bf16 or q8_0 (dequantised by the `gguf` package). Tensors go GGUF name -> Hugging Face name (the `gguf`
+package's table) -> ours (compat/hf.py). A GGUF file is untrusted input: the header is checked before any weight is
+read (every hyperparameter we cannot run refused by name, the model sized against `max_gib` as `import hf` does,
+every tensor's name, shape and type checked, nothing left over), and every error is one line naming the file.
 
-A GGUF file is untrusted input: the `gguf` reader's own errors become one line naming the file; the header is
-checked before any weight is read (the architecture and every hyperparameter we cannot run refused by name, the
-model sized on PyTorch's meta device against `max_gib` by the same code `import hf` uses, every tensor's name,
-shape and type checked against the model the header describes, nothing left over).
-
-Llama 3's RoPE scaling comes back from our own ``scratchlm.rope.llama3`` key when the file has it, else from the
-``rope_freqs`` tensor under Llama 3.1's rule (low/high frequency factors 1 and 4, original context 8192; the factor
-is the tensor's largest value), which must then reproduce the tensor. The tokenizer (``tokenizer.ggml.model =
-"gpt2"`` with a ``tokenizer.ggml.pre`` we split the same way) is byte-level BPE as llama.cpp runs it: merges
-ignored for ``llama-bpe``, no NFC, unless our own keys say what the exported tokenizer did. Another tokenizer is
-left out, saying why (the weights are still worth having), as `import hf` does.
+Llama 3's RoPE scaling comes from our own ``scratchlm.rope.llama3`` key when the file has it, else from the
+``rope_freqs`` tensor under Llama 3.1's rule (the factor is the tensor's largest value), which must then reproduce
+the tensor. The tokenizer is read as llama.cpp runs it (merges ignored for ``llama-bpe``, no NFC) unless our own
+keys say what the exported one did; another kind is left out, saying why, as `import hf` does.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ def read_gguf(path: Path, *, max_gib: float, dtype: torch.dtype | None = None):
     import torch
 
     from scratchlm.compat.hf import from_hf_state_dict
-    from scratchlm.compat.hf_import import expected_hf_tensors
+    from scratchlm.compat.hf_import import check_weights_floor, expected_hf_tensors
     from scratchlm.model import TransformerLM
     from scratchlm.train.checkpoint_state import load_model_state
 
@@ -58,16 +50,12 @@ def read_gguf(path: Path, *, max_gib: float, dtype: torch.dtype | None = None):
         raise ValueError(f"{path}: general.architecture={arch!r} is not one we read ({', '.join(ARCHITECTURES)})")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     cfg = _model_config(fields, arch, tensors, path)
-    _check_lower_bound(cfg, path, max_gib, dtype)
+    check_weights_floor(path, cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff, max_gib, dtype)
     expected = expected_hf_tensors(cfg, path, max_gib, dtype)
     to_gguf = _gguf_names(arch, cfg.num_layers, expected)
     _check_tensors(tensors, {to_gguf[name]: shape for name, shape in expected.items()}, path)
     hf = {name: _read_tensor(tensors[to_gguf[name]], path) for name in expected}
-    state = from_hf_state_dict(hf, cfg)
-    if arch == "llama":  # llama.cpp's llama graph pairs RoPE rows as we do: its Q/K rows are ours as they are
-        for i in range(cfg.num_layers):
-            for proj in ("q_proj", "k_proj"):
-                state[f"layers.{i}.attn.{proj}.weight"] = hf[f"model.layers.{i}.self_attn.{proj}.weight"]
+    state = from_hf_state_dict(hf, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
     model = TransformerLM(cfg, dtype=dtype)
     load_model_state(model, state, where=str(path))  # cast to `dtype` here
     try:
@@ -181,13 +169,14 @@ def _model_config(fields: _Fields, arch: str, tensors: dict, path: Path):
         raise ValueError(f"{path}: {error}") from None
 
 
-def _llama3_fields(fields: _Fields, rope_freqs, options: dict, path: Path) -> dict:
+def _llama3_fields(fields: _Fields, tensor, options: dict, path: Path) -> dict:
     """Our llama3 rope_* fields that give the file's rope_freqs tensor (the divisor of each frequency)."""
     import torch
 
+    from scratchlm.compat.gguf_export import rope_freqs
     from scratchlm.model.attention import Llama3Scaling
 
-    factors = _read_tensor(rope_freqs, path).float()
+    factors = _read_tensor(tensor, path).float()
     head_dim, theta = options["head_dim"], options["rope_theta"]
     if not isinstance(head_dim, int) or factors.shape != (head_dim // 2,):
         raise ValueError(f"{path}: rope_freqs.weight has shape {tuple(factors.shape)}, not (head_dim/2,)")
@@ -199,22 +188,10 @@ def _llama3_fields(fields: _Fields, rope_freqs, options: dict, path: Path) -> di
         fields_ = dict(rope_scaling_factor=float(factors.max()), **_LLAMA31_RULE)
     scaling = Llama3Scaling(fields_["rope_scaling_factor"], fields_["rope_low_freq_factor"],
                             fields_["rope_high_freq_factor"], fields_["rope_original_context"])
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    if not torch.allclose(inv_freq / scaling(inv_freq), factors, rtol=1e-5, atol=0.0):
+    if not torch.allclose(rope_freqs(theta, head_dim, scaling), factors, rtol=1e-5, atol=0.0):
         raise ValueError(f"{path}: rope_freqs.weight is not Llama 3's RoPE scaling rule with {fields_}: we cannot "
                          f"run these frequencies exactly")
     return {"rope_scaling": "llama3", **fields_}
-
-
-def _check_lower_bound(cfg, path: Path, max_gib: float, dtype: torch.dtype) -> None:
-    """Refuse a header whose embedding and FFN weights alone exceed `max_gib`, before a model is even sized (a
-    hostile block_count would otherwise cost the time of building that many layers on the meta device)."""
-    weights = cfg.vocab_size * cfg.d_model + cfg.num_layers * 3 * cfg.d_model * cfg.d_ff
-    gib = weights * dtype.itemsize / 2**30
-    if gib > max_gib:
-        raise ValueError(f"{path}: describes at least {gib:,.1f} GiB of weights (vocab {cfg.vocab_size:,}, embedding "
-                         f"length {cfg.d_model:,}, {cfg.num_layers:,} blocks), over the --max-gib limit of "
-                         f"{max_gib:g}; raise it if you mean it")
 
 
 def _gguf_names(arch: str, num_layers: int, expected: dict) -> dict[str, str]:

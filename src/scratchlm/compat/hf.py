@@ -1,28 +1,11 @@
 """The one mapping between scratchlm's TransformerLM and Hugging Face transformers' Llama-family decoders.
 
-Parity tests, `scratchlm export hf` and `import hf` all use these functions, so the mapping exists once.
-
-Four transformers architectures share one layout (RMSNorm, pre-norm, RoPE, SwiGLU, grouped-query attention, tied
-or untied embeddings, any head_dim) and differ only in what their attention adds:
-
-    architecture (model_type)          q/k/v biases   q_norm/k_norm   export chooses it for
-    LlamaForCausalLM (llama)           no             no              every model without biases or QK-norm
-    Qwen2ForCausalLM (qwen2)           always         no              qkv_bias=True
-    Qwen3ForCausalLM (qwen3)           no             always          qk_norm=True
-    MistralForCausalLM (mistral)       no             no              never: Llama says the same (import reads it)
-
-Any of them takes the "llama3" RoPE frequency scaling (transformers computes RoPE tables the same way for all).
-Llama's and Qwen3's ``attention_bias`` also adds an o_proj bias, which our attention has not, so it is refused, as
-are ``mlp_bias``, a non-SiLU ``hidden_act``, other RoPE types and a sliding window shorter than the context.
-
-Names: ours follow CS336, HF's follow Llama (identical across the four):
-    token_embeddings.weight          <-> model.embed_tokens.weight
-    layers.{i}.attn.{q,k,v}_proj     <-> model.layers.{i}.self_attn.{q,k,v}_proj      (.weight, and .bias)
-    layers.{i}.attn.{q,k}_norm       <-> model.layers.{i}.self_attn.{q,k}_norm        (Qwen3)
-    layers.{i}.attn.output_proj      <-> model.layers.{i}.self_attn.o_proj
-    layers.{i}.ffn.w1 / w3 / w2      <-> model.layers.{i}.mlp.gate_proj / up_proj / down_proj
-    layers.{i}.ln1 / ln2             <-> model.layers.{i}.input_layernorm / post_attention_layernorm
-    ln_final / lm_head               <-> model.norm / lm_head
+Parity tests, `scratchlm export hf|gguf` and `import hf|gguf` all use these functions, so the mapping exists once.
+Llama, Qwen2, Qwen3 and Mistral share one layout (RMSNorm, pre-norm, RoPE, SwiGLU, grouped-query attention, tied
+or untied embeddings, any head_dim, the "llama3" RoPE scaling) and differ only in what their attention adds
+(`ARCHITECTURES`). Llama's and Qwen3's ``attention_bias`` also adds an o_proj bias, which our attention has not,
+so it is refused, as are ``mlp_bias``, a non-SiLU ``hidden_act``, other RoPE types and a sliding window shorter
+than the context. Tensor names: `_names`.
 
 RoPE pairing differs: we rotate adjacent pairs (x₂ᵢ, x₂ᵢ₊₁), HF's `rotate_half` rotates (xᵢ, xᵢ₊d/2), both with
 frequency θ^(-2i/d). Reordering each head's Q and K output rows as [0, 2, 4, ..., 1, 3, 5, ...] turns one into
@@ -48,20 +31,21 @@ class Architecture:
     class_name: str
     qkv_bias: bool  # its q/k/v projections always (True) or never (False) have biases
     qk_norm: bool  # it always (True) or never (False) has q_norm/k_norm
+    why: str = ""  # why export chooses it; empty: export never does (Llama says the same), import reads it
 
 
+# In export's order: the first that expresses a model exactly is the one export writes.
 ARCHITECTURES = {arch.model_type: arch for arch in (
-    Architecture("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False),
-    Architecture("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
-    Architecture("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    Architecture("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
+                 why="RMSNorm, pre-norm, RoPE and SwiGLU without biases or QK-norm are Llama's layout"),
+    Architecture("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False,
+                 why="qkv_bias=True needs Qwen2's q/k/v biases"),
+    Architecture("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
+                 why="qk_norm=True needs Qwen3's q_norm/k_norm"),
     Architecture("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False),
 )}
-EXPORT_ORDER = ("llama", "qwen2", "qwen3")  # the first that expresses a model exactly is the one export writes
 # What all four share: our switches that must have these values.
 _SHARED_LAYOUT = {"norm": "rmsnorm", "norm_position": "pre", "position": "rope", "ffn": "swiglu"}
-_WHY = {"llama": "RMSNorm, pre-norm, RoPE and SwiGLU without biases or QK-norm are Llama's layout",
-        "qwen2": "qkv_bias=True needs Qwen2's q/k/v biases",
-        "qwen3": "qk_norm=True needs Qwen3's q_norm/k_norm"}
 ROPE_TYPES = ("default", "llama3")
 # Our llama3 fields and the names of the same numbers in transformers' rope parameters.
 _LLAMA3_PARAMETERS = (("rope_scaling_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
@@ -71,47 +55,49 @@ _LLAMA3_PARAMETERS = (("rope_scaling_factor", "factor"), ("rope_low_freq_factor"
 
 # ------------------------------------------------------------------------------------ choosing an architecture
 
+def _unshared(cfg: ModelConfig) -> dict[str, str]:
+    """{"name=value": what none of the four architectures has} for the switches of `cfg` outside their layout."""
+    wrong = {f"{name}={getattr(cfg, name)!r}": f"needs {value!r}"
+             for name, value in _SHARED_LAYOUT.items() if getattr(cfg, name) != value}
+    if cfg.logit_softcap:
+        wrong[f"logit_softcap={cfg.logit_softcap!r}"] = "has no logit cap"
+    return wrong  # zero_init_residual is only an initialisation: it maps
+
+
 def mismatches(cfg: ModelConfig, arch: Architecture) -> list[str]:
     """The switches of `cfg` that `arch` cannot express, each as "name=value (why)"; empty: it maps exactly."""
-    wrong = [f"{name}={getattr(cfg, name)!r} ({arch.class_name} needs {value!r})"
-             for name, value in _SHARED_LAYOUT.items() if getattr(cfg, name) != value]
-    if cfg.logit_softcap:
-        wrong.append(f"logit_softcap={cfg.logit_softcap!r} ({arch.class_name} has no logit cap)")
+    wrong = [f"{switch} ({arch.class_name} {why})" for switch, why in _unshared(cfg).items()]
     for name in ("qk_norm", "qkv_bias"):
         if getattr(cfg, name) != getattr(arch, name):
             has = "always has them" if getattr(arch, name) else "has none"
             wrong.append(f"{name}={getattr(cfg, name)!r} ({arch.class_name} {has})")
-    return wrong  # zero_init_residual is only an initialisation: it maps
+    return wrong
 
 
 def choose_architecture(cfg: ModelConfig) -> tuple[Architecture | None, str]:
     """(the architecture export writes, why) or (None, why no standard architecture expresses `cfg` exactly)."""
-    for model_type in EXPORT_ORDER:
-        arch = ARCHITECTURES[model_type]
-        if not mismatches(cfg, arch):
-            return arch, f"{arch.class_name}: {_WHY[model_type]}"
-    shared = [f"{name}={getattr(cfg, name)!r}" for name, value in _SHARED_LAYOUT.items() if getattr(cfg, name) != value]
-    if cfg.logit_softcap:
-        shared.append(f"logit_softcap={cfg.logit_softcap!r}")
-    if shared:
+    for arch in ARCHITECTURES.values():
+        if arch.why and not mismatches(cfg, arch):
+            return arch, f"{arch.class_name}: {arch.why}"
+    if shared := list(_unshared(cfg)):
         return None, (f"{', '.join(shared)}: Llama, Qwen2 and Qwen3 are RMSNorm, pre-norm, RoPE and SwiGLU "
                       f"without a logit cap")
     return None, ("qk_norm=True with qkv_bias=True: Qwen3's q_norm/k_norm come without q/k/v-only biases (its "
                   "attention_bias adds an o_proj bias too), Qwen2's biases without QK-norm")
 
 
-def check_expressible(cfg: ModelConfig, model_type: str) -> Architecture:
-    """The architecture of `model_type`; ValueError naming every switch of `cfg` it cannot express."""
+def check_expressible(cfg: ModelConfig, model_type: str | None = None) -> Architecture:
+    """The architecture of `model_type`, or the one export chooses; ValueError naming why it cannot express `cfg`."""
+    if model_type is None:
+        arch, why = choose_architecture(cfg)
+        if arch is None:
+            raise ValueError(f"no standard Hugging Face architecture expresses this model: {why}")
+        return arch
     arch = ARCHITECTURES[model_type]
     wrong = mismatches(cfg, arch)
     if wrong:
         raise ValueError(f"this model cannot be expressed as a Hugging Face {arch.class_name}: " + ", ".join(wrong))
     return arch
-
-
-def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ValueError naming every switch that has no Llama equivalent."""
-    check_expressible(cfg, "llama")
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -130,12 +116,7 @@ def to_hf_config(cfg: ModelConfig, model_type: str | None = None):
     architecture export chooses; ValueError when it cannot express `cfg`. Attention implementation: the caller's."""
     from transformers import AutoConfig
 
-    if model_type is None:
-        arch, why = choose_architecture(cfg)
-        if arch is None:
-            raise ValueError(f"no standard Hugging Face architecture expresses this model: {why}")
-    else:
-        arch = check_expressible(cfg, model_type)
+    arch = check_expressible(cfg, model_type)
     options = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -152,10 +133,6 @@ def to_hf_config(cfg: ModelConfig, model_type: str | None = None):
         options |= dict(sliding_window=None)
     return AutoConfig.for_model(arch.model_type, **options)
 
-
-def to_hf_llama_config(cfg: ModelConfig):
-    """The `transformers.LlamaConfig` of the same architecture (attention implementation left to the caller)."""
-    return to_hf_config(cfg, "llama")
 
 
 def with_both_rope_spellings(document: dict, cfg: ModelConfig) -> dict:
@@ -271,7 +248,8 @@ def _permute_heads(weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return weight.unflatten(0, (-1, len(order)))[:, order].flatten(0, 1).contiguous()
 
 
-# (our suffix, HF suffix) inside layer i, and whether its rows follow RoPE's pairing.
+# (our suffix, HF suffix) inside layer i, and whether its rows follow RoPE's pairing. Ours follow CS336, HF's follow
+# Llama (identical across the four architectures).
 _LAYER_NAMES = (
     ("attn.q_proj.weight", "self_attn.q_proj.weight", True),
     ("attn.k_proj.weight", "self_attn.k_proj.weight", True),
@@ -300,10 +278,9 @@ def _names(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
                     for i in range(cfg.num_layers) for ours, theirs, permuted in layer]
 
 
-def _convert(source: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dict[str, torch.Tensor]:
-    arch, why = choose_architecture(cfg)
-    if arch is None:
-        raise ValueError(f"no standard Hugging Face architecture expresses this model: {why}")
+def _convert(source: dict[str, torch.Tensor], cfg: ModelConfig, *, to_hf: bool,
+             rope_halves: bool) -> dict[str, torch.Tensor]:
+    check_expressible(cfg)
     order = _pairs_to_halves(cfg.head_dim)
     if not to_hf:
         order = torch.argsort(order)  # the inverse permutation
@@ -314,7 +291,7 @@ def _convert(source: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> 
         if src not in source:
             missing.append(src)
             continue
-        out[dst] = _permute_heads(source[src], order) if permuted else source[src]
+        out[dst] = _permute_heads(source[src], order) if permuted and rope_halves else source[src]
     if missing:
         raise ValueError(f"state dict lacks {len(missing)} expected tensors, e.g. {missing[:3]}")
     if cfg.tie_embeddings and not to_hf:
@@ -322,11 +299,15 @@ def _convert(source: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> 
     return out
 
 
-def to_hf_state_dict(our_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict -> the HF state dict of the chosen architecture (tied: lm_head.weight omitted)."""
-    return _convert(our_sd, cfg, to_hf=True)
+def to_hf_state_dict(our_sd: dict[str, torch.Tensor], cfg: ModelConfig, *,
+                     rope_halves: bool = True) -> dict[str, torch.Tensor]:
+    """Our state dict -> the HF state dict of the chosen architecture (tied: lm_head.weight omitted).
+    rope_halves=False keeps our RoPE row order (llama.cpp's llama graph pairs rows as we do)."""
+    return _convert(our_sd, cfg, to_hf=True, rope_halves=rope_halves)
 
 
-def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> ours (tied: lm_head.weight is the embedding tensor, as in our model)."""
-    return _convert(hf_sd, cfg, to_hf=False)
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, *,
+                       rope_halves: bool = True) -> dict[str, torch.Tensor]:
+    """HF state dict -> ours (tied: lm_head.weight is the embedding tensor, as in our model); rope_halves=False:
+    its RoPE rows are already in our order."""
+    return _convert(hf_sd, cfg, to_hf=False, rope_halves=rope_halves)

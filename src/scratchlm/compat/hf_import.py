@@ -1,21 +1,15 @@
 """Reading a Hugging Face model folder (config.json + safetensors [+ tokenizer.json]) as a TransformerLM.
 
-`read_hf_model` accepts the model types compat/hf.py maps: llama (grouped-query attention, tied embeddings,
-llama3 RoPE scaling), mistral (without a sliding window shorter than its context), qwen2 / qwen2.5 (q/k/v
-biases) and qwen3 (QK-norm, explicit head_dim); weights in one ``model.safetensors`` or in the shards that
-``model.safetensors.index.json`` lists, stored as float32, bfloat16 or float16, built in the dtype asked for.
-`read_hf_tokenizer` reads the folder's byte-level BPE tokenizer.json, with the chat template of its
-tokenizer_config.json (or chat_template.jinja) and, as the ids that end a turn, the config's eos_token and every
-``eos_token_id`` of generation_config.json (Llama 3.2 Instruct: <|eot_id|>, <|eom_id|>, <|end_of_text|>);
-`read_hf_folder` does both (what `scratchlm import hf` writes a run from, and what another module uses to start
-from a pretrained model).
+`read_hf_model` reads the model types compat/hf.py maps (llama, mistral, qwen2, qwen3), from ``model.safetensors``
+or the shards of ``model.safetensors.index.json``, stored as float32, bfloat16 or float16, built in the dtype asked
+for. `read_hf_tokenizer` reads the byte-level BPE tokenizer.json with its chat template and, as the ids that end a
+turn, the config's eos_token and every ``eos_token_id`` of generation_config.json; `read_hf_folder` does both.
 
 A hostile folder costs no memory and no time before its error, so the order matters: config.json is parsed and
-checked (every unsupported field refused by name), its size bounded from its numbers alone, the model it
-describes sized on PyTorch's meta device against `max_gib`, every safetensors header read by
-compat/safetensors_header.py and checked against the file and against the shapes the config implies; only then
-is a model built and are weights read. Every problem is a ValueError (or FileNotFoundError) naming the file.
-Weights are read only as safetensors (never pickle).
+checked (every unsupported field refused by name), its size bounded from its numbers alone, the model sized on
+PyTorch's meta device against `max_gib`, every safetensors header read (compat/safetensors_header.py) and checked
+against the shapes the config implies; only then are weights read (only as safetensors, never pickle). Every
+problem is a ValueError (or FileNotFoundError) naming the file.
 """
 
 from __future__ import annotations
@@ -131,7 +125,9 @@ def _read_model_config(path: Path, max_gib: float, dtype: torch.dtype):
     if document.get("model_type") not in ARCHITECTURES:
         raise ValueError(f"{path}: model_type={document.get('model_type')!r} is not one we read "
                          f"({', '.join(sorted(ARCHITECTURES))})")
-    _check_lower_bound(document, path, max_gib, dtype)
+    sizes = [document.get(name) for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")]
+    sizes = [n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1 for n in sizes]  # odd ones: 1
+    check_weights_floor(path, *sizes, max_gib, dtype)
     try:
         spellings = rope_spellings(document)
     except ValueError as error:
@@ -149,20 +145,15 @@ def _read_model_config(path: Path, max_gib: float, dtype: torch.dtype):
         raise ValueError(f"{path}: {error}") from None
 
 
-def _check_lower_bound(document: dict, path: Path, max_gib: float, dtype: torch.dtype) -> None:
-    """Refuse a config.json whose embedding and FFN weights alone, from its numbers (a missing or odd one counts
-    as 1), exceed `max_gib`: before transformers expands per-layer lists and before a model is sized."""
-    def number(name: str) -> int:
-        value = document.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-    d_model = number("hidden_size")
-    weights = number("vocab_size") * d_model + number("num_hidden_layers") * 3 * d_model * number("intermediate_size")
-    gib = weights * dtype.itemsize / 2**30
+def check_weights_floor(path: Path, vocab_size: int, d_model: int, num_layers: int, d_ff: int, max_gib: float,
+                        dtype: torch.dtype) -> None:
+    """Refuse a model whose embedding and FFN weights alone exceed `max_gib`, from its file's numbers: before
+    transformers expands per-layer lists and before a hostile layer count costs the time of sizing the model."""
+    gib = (vocab_size * d_model + num_layers * 3 * d_model * d_ff) * dtype.itemsize / 2**30
     if gib > max_gib:
-        raise ValueError(f"{path}: describes at least {gib:,.1f} GiB of weights (vocab_size {number('vocab_size'):,}, "
-                         f"hidden_size {d_model:,}, {number('num_hidden_layers'):,} layers), over the --max-gib limit "
-                         f"of {max_gib:g}; raise it if you mean it")
+        raise ValueError(f"{path}: describes at least {gib:,.1f} GiB of weights (vocabulary {vocab_size:,}, width "
+                         f"{d_model:,}, {num_layers:,} layers), over the --max-gib limit of {max_gib:g}; raise it "
+                         f"if you mean it")
 
 
 def expected_hf_tensors(cfg, config_path: Path, max_gib: float, dtype: torch.dtype) -> dict:
