@@ -215,7 +215,6 @@ def _add_metadata(writer, cfg, gguf_type: str, name: str, run: str | None) -> No
 def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     from gguf import TokenType
 
-    from scratchlm.compat.hf_export import eos_id
     from scratchlm.tokenizer.formats.io import to_gpt2_string
 
     specials = {tokenizer.special_id(token): token for token in tokenizer.special_tokens}
@@ -237,7 +236,7 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
     writer.add_token_merges([f"{to_gpt2_string(a)} {to_gpt2_string(b)}" for a, b in tokenizer.merges])
     writer.add_bool(KEY_NFC, tokenizer.pipeline.nfc)
     writer.add_bool(KEY_IGNORE_MERGES, tokenizer.pipeline.ignore_merges)
-    if (eos := eos_id(tokenizer)) is not None:
+    if (eos := tokenizer.end_of_text_id) is not None:
         writer.add_bos_token_id(eos)  # as export hf: our models start without a BOS; documents end with this
         writer.add_eos_token_id(eos)
     if tokenizer.end_of_turn_ids:  # where a chat turn ends (llama.cpp stops there too)

@@ -23,7 +23,7 @@ AUTO_MAP = {"AutoConfig": "configuration_scratchlm.ScratchLMConfig",
 
 def export_custom_code(model, tokenizer, out: Path) -> None:
     """Write `model` (a TransformerLM) and `tokenizer` as a custom-code Hugging Face folder `out` (module docstring)."""
-    from scratchlm.compat.hf_export import eos_id, write_weights_and_tokenizer
+    from scratchlm.compat.hf_export import write_weights_and_tokenizer
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
@@ -34,7 +34,7 @@ def export_custom_code(model, tokenizer, out: Path) -> None:
         del state["lm_head.weight"]
     config = cfg.to_dict()
     config["rope_scaling_type"] = config.pop("rope_scaling")  # a reserved name in transformers (a dict there)
-    eos = eos_id(tokenizer)
+    eos = tokenizer.end_of_text_id
     config |= {"model_type": MODEL_TYPE, "architectures": ["ScratchLMForCausalLM"], "auto_map": AUTO_MAP,
                "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": False,
                "dtype": str(state["token_embeddings.weight"].dtype).removeprefix("torch.")}

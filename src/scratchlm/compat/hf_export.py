@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scratchlm.tokenizer.formats.hf import EOS_TOKEN
-
 
 def export_hf(model, tokenizer, out: Path) -> str:
     """Write `model` (a TransformerLM) and `tokenizer` as a Hugging Face folder `out`; returns one line saying
@@ -33,7 +31,7 @@ def export_hf(model, tokenizer, out: Path) -> str:
         export_custom_code(model, tokenizer, out)
         return f"custom code (trust_remote_code=True): no standard architecture: {why}"
     hf_config = to_hf_config(cfg, arch.model_type)
-    hf_config.bos_token_id = hf_config.eos_token_id = eos_id(tokenizer)
+    hf_config.bos_token_id = hf_config.eos_token_id = tokenizer.end_of_text_id
     with made_folder(out):  # a failed export (a full disk) leaves no half-written folder behind
         path = out / "config.json"
         with naming(path):
@@ -42,11 +40,6 @@ def export_hf(model, tokenizer, out: Path) -> str:
             path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_weights_and_tokenizer(out, to_hf_state_dict(model.state_dict(), cfg), tokenizer)
     return why
-
-
-def eos_id(tokenizer) -> int | None:
-    """The id of <|endoftext|>, or None when the tokenizer has no such special token."""
-    return tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
 
 
 def write_weights_and_tokenizer(out: Path, state: dict, tokenizer) -> None:
@@ -64,7 +57,7 @@ def write_weights_and_tokenizer(out: Path, state: dict, tokenizer) -> None:
     write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, tokenizer.pipeline,
                        added_token_flags=tokenizer.added_token_flags, chat_template=tokenizer.chat_template)
     if tokenizer.end_of_turn_ids:
-        eos = eos_id(tokenizer)
+        eos = tokenizer.end_of_text_id
         stops = list(dict.fromkeys([*tokenizer.end_of_turn_ids, *([eos] if eos is not None else [])]))
         generation = {"bos_token_id": eos, "eos_token_id": stops}
         write_atomic(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")

@@ -53,13 +53,13 @@ def render_example(example: Example, tokenizer: Tokenizer, *, train_on_prompt: b
 
 def _completion(example: Completion, tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     prompt, completion = tokenizer.encode(example.prompt), tokenizer.encode(example.completion)
-    return prompt + completion + [end_of_text_id(tokenizer)], [False] * len(prompt) + [True] * (len(completion) + 1)
+    return prompt + completion + [completion_end_id(tokenizer)], [False] * len(prompt) + [True] * (len(completion) + 1)
 
 
-def end_of_text_id(tokenizer: Tokenizer) -> int:
+def completion_end_id(tokenizer: Tokenizer) -> int:
     """What ends a completion: ``<|endoftext|>``, else the first end-of-turn id."""
-    if END_OF_TEXT in tokenizer.special_tokens:
-        return tokenizer.special_id(END_OF_TEXT)
+    if tokenizer.end_of_text_id is not None:
+        return tokenizer.end_of_text_id
     if tokenizer.end_of_turn_ids:
         return tokenizer.end_of_turn_ids[0]
     raise UserError(f"a prompt-completion record needs an end-of-text token to end the completion, and this "

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from scratchlm.errors import UserError
 from scratchlm.generate.decoding import check_options
 from scratchlm.generate.engine import Engine, Failed, Finished, Sampling, Sequence, Token
-from scratchlm.generate.text import end_of_text_id
 from scratchlm.tokenizer import Tokenizer
 
 DEFAULT_MAX_REPLY = 256  # tokens, when no budget is given (and the context leaves room)
@@ -40,7 +39,7 @@ class ChatSession:
         self.messages: list[dict] = list(self.system)
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=tokenizer.end_of_turn_ids)
-        self.engine = Engine(model, tokenizer, eos_id=end_of_text_id(tokenizer), max_batch=1, max_queue=1,
+        self.engine = Engine(model, tokenizer, eos_id=tokenizer.end_of_text_id, max_batch=1, max_queue=1,
                              compile=compile)
         self.replies = 0  # replies made: reply k samples with seed + k
         self.finish_reason: str | None = None  # of the last reply: "stop" (end of turn) or "length"

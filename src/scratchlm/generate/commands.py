@@ -111,12 +111,11 @@ def load_model_and_tokenizer(args: argparse.Namespace, command: str):
 def run_generate(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
     from scratchlm.generate.decoding import generate, stream
-    from scratchlm.generate.text import end_of_text_id
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     model, tokenizer = load_model_and_tokenizer(args, "generate")
-    eos_id = end_of_text_id(tokenizer)
+    eos_id = tokenizer.end_of_text_id
     texts = args.prompt or [""]
     prompts = [tokenizer.encode(text) if text else ([eos_id] if eos_id is not None else []) for text in texts]
     if not all(prompts):

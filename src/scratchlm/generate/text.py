@@ -11,12 +11,6 @@ from __future__ import annotations
 import codecs
 
 from scratchlm.tokenizer import Tokenizer
-from scratchlm.tokenizer.formats.hf import EOS_TOKEN
-
-
-def end_of_text_id(tokenizer: Tokenizer) -> int | None:
-    """The id of <|endoftext|>, which ends a document (and starts a new one); None when the tokenizer has none."""
-    return tokenizer.special_id(EOS_TOKEN) if EOS_TOKEN in tokenizer.special_tokens else None
 
 
 class TextStream:

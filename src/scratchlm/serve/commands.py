@@ -109,7 +109,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from scratchlm.errors import UserError
     from scratchlm.extras import require
-    from scratchlm.generate.text import end_of_text_id
     from scratchlm.train.checkpoint import run_dir_of
 
     require("fastapi", "serve", "scratchlm serve")
@@ -135,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = off_the_main_thread(lambda: load_model_and_tokenizer(args, "serve"))
-    engine = Engine(model, tokenizer, eos_id=end_of_text_id(tokenizer), max_batch=limits.max_batch,
+    engine = Engine(model, tokenizer, eos_id=tokenizer.end_of_text_id, max_batch=limits.max_batch,
                     max_queue=limits.max_queue, compile=args.compile)
     model_name = args.model_name or run_dir_of(args.checkpoint).resolve().name
     app = create_app(engine, model_name=model_name, limits=limits, api_key=api_key)

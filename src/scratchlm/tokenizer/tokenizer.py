@@ -216,6 +216,11 @@ class Tokenizer:
             raise ValueError(f"{token!r} is not a special token of this tokenizer "
                              f"(special tokens: {self.special_tokens})") from None
 
+    @property
+    def end_of_text_id(self) -> int | None:
+        """The id of <|endoftext|>, which ends a document (and starts a new one); None when it is no special token."""
+        return self._special_ids.get(EOS_TOKEN)
+
     def __repr__(self) -> str:
         pipeline = "" if self.pipeline == GPT2_PIPELINE else f", pipeline={self.pipeline}"
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
