@@ -47,8 +47,11 @@ class SwiGLU(nn.Module):
         return self.w2(self.hidden(self.w1(x), self.w3(x)))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
 
 
-class SiLUFFN(nn.Module):
-    """W2 SiLU(W1 x): the ungated FFN ablation (d_ff = 4·d_model keeps the parameter count near SwiGLU's)."""
+class _UngatedFFN(nn.Module):
+    """W2 hidden(W1 x), an ungated FFN; each subclass names its activation `hidden`. d_ff = 4·d_model gives it
+    the parameters of SwiGLU at 8/3·d."""
+
+    hidden: staticmethod
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -59,34 +62,21 @@ class SiLUFFN(nn.Module):
     def inputs(self) -> tuple[Linear, ...]:
         return (self.w1,)
 
-    @staticmethod
-    def hidden(up: torch.Tensor) -> torch.Tensor:
-        return silu(up)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hidden(self.w1(x)))
+        return self.w2(self.hidden(self.w1(x)))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
 
 
-class ReLU2FFN(nn.Module):
-    """W2 ReLU(W1 x)²: the squared-ReLU FFN of Primer (So et al., 2021) and the modded-nanogpt speedrun. Ungated,
-    so d_ff = 4·d_model gives it the parameters of SwiGLU at 8/3·d; its sparse, sharper activations train faster
-    per FLOP than SwiGLU at these small scales."""
+class SiLUFFN(_UngatedFFN):
+    """W2 SiLU(W1 x): the ungated FFN ablation."""
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
-        super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+    hidden = staticmethod(silu)
 
-    @property
-    def inputs(self) -> tuple[Linear, ...]:
-        return (self.w1,)
 
-    @staticmethod
-    def hidden(up: torch.Tensor) -> torch.Tensor:
-        return relu_squared(up)
+class ReLU2FFN(_UngatedFFN):
+    """W2 ReLU(W1 x)²: the squared-ReLU FFN of Primer (So et al., 2021) and the modded-nanogpt speedrun; its
+    sparse, sharper activations train faster per FLOP than SwiGLU at these small scales."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hidden(self.w1(x)))
+    hidden = staticmethod(relu_squared)
 
 
 FFN_CLASSES = {"swiglu": SwiGLU, "silu": SiLUFFN, "relu2": ReLU2FFN}
