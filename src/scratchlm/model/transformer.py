@@ -1,16 +1,15 @@
 """The Transformer language model: feed-forward layers, the block, and TransformerLM.
 
-`TransformerLM(config)` is built entirely from a `ModelConfig`; the ablation switches (norm kind and position,
-RoPE or none, SwiGLU, SiLU or ReLU² FFN, tied embeddings, QK-norm, zero-initialised residual projections, logit
-soft-capping) and the switches of pretrained checkpoints (grouped-query attention, head_dim, q/k/v biases,
-llama3 RoPE scaling) select modules here, never forks of the code. Parameter
-names follow the CS336 reference (`token_embeddings`, `layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`,
-`ffn.w1/w2/w3`, `ln_final`, `lm_head`) so reference weights load without remapping.
+`TransformerLM(config)` is built entirely from a `ModelConfig`: its ablation switches (norm kind and position,
+RoPE or none, FFN kind, tied embeddings, QK-norm, zero-initialised residual projections, logit soft-capping) and
+those of pretrained checkpoints (grouped-query attention, head_dim, q/k/v biases, llama3 RoPE scaling) select
+modules, never forks of the code. Parameter names follow the CS336 reference (`token_embeddings`,
+`layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`, `ffn.w1/w2/w3`, `ln_final`, `lm_head`).
 
-The model knows nothing of devices, compile, autocast, DDP or speed paths. The trainer adjusts it from outside
-through two plain attributes, `check_inputs` (the token-id range check costs a device sync on GPU; turn it off
-when the data was validated at load) and `checkpoint_blocks` (activation checkpointing per block while
-training), and switches in faster implementations of the same math with `model.kernels.apply(model, device)`.
+The model knows nothing of devices, compile, autocast or DDP. The trainer sets two plain attributes,
+`check_inputs` (the token-id range check syncs on GPU; off when the data was validated at load) and
+`checkpoint_blocks` (activation checkpointing per block), and switches in faster implementations of the same
+math with `model.kernels.apply(model, device)`.
 """
 
 from __future__ import annotations
