@@ -179,9 +179,9 @@ class Engine:
         max_tokens: there is no sliding window, so what cannot fit is refused before any work."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if any(type(token) is not int or not 0 <= token < self.prompt_limit for token in prompt_ids):
-            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < self.prompt_limit)
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.prompt_limit})")
+        for token in prompt_ids:
+            if type(token) is not int or not 0 <= token < self.prompt_limit:
+                raise ValueError(f"token id {token!r} is outside the vocabulary [0, {self.prompt_limit})")
         context = self.model.config.context_length
         if len(prompt_ids) + max(max_tokens - 1, 0) > context:  # the last token sampled is never fed back
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, more than "
