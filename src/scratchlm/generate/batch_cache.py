@@ -1,25 +1,17 @@
 """The KV cache of a continuously batched decoder: rows join and leave between steps, in buffers allocated once.
 
-`KVCache` (model/kv_cache.py) holds every row at one shared `length`, shorter rows LEFT padded: `key_padding`
-(B, T_max) marks real positions and `next_position` (B,) continues each row's RoPE numbering, so a row's padding
-changes neither what it attends to nor its positions. That is all continuous batching needs. `BatchCache` keeps
-a cache of `capacity` rows and decodes its first `rows` (`cache`, a KVCache over the same buffers):
-
-- `add(prefilled)`: the rows of a prefilled cache join after the others, right-aligned to the batch's length
-  (their leading columns marked as padding); a prefill longer than the batch shifts the batch's rows right instead.
-- `keep(rows)`: only those rows stay (finished requests leave); a row kept past the new row count moves into a
-  place a leaving row freed, so the order changes, and `keep` says how.
-- `compact()`: drops the leading columns that are padding in every row, so the length can grow again (and the
-  steps stop attending over them: the engine compacts whenever rows leave). Every row's own tokens (prompt +
-  completion) fit the context, so after compacting the longest row has room.
-
-Why buffers allocated once: a new cache for every join and leave would zero-fill fresh pages of the batch's whole
-size (and the copies would fault them in), about the cost of a decoding step each time (docs/benchmarks.md); a
-join or a leave copies only the rows that move. They are left unwritten (KVCache's
-`zeroed=False`): only written positions are ever read (a joining row's padding columns are zeroed as it
-joins), and on a CPU an idle server's pages take no memory, however many rows it has room for. Invariant: in every row,
-the columns from the cache's length on are marked real (True), as a fresh KVCache has them, so each decoding
-step's new key is attended.
+A `KVCache` keeps every row at one shared `length`, shorter rows LEFT padded (`key_padding` marks real
+positions, `next_position` continues each row's RoPE numbering): that is all continuous batching needs.
+`BatchCache` holds `capacity` rows and decodes its first `rows` (`cache`, a KVCache over the same buffers):
+- `add(prefilled)`: new rows join after the others, right-aligned to the batch's length (a longer prefill
+  shifts the batch's rows right instead);
+- `keep(rows)`: only those rows stay, rows past the new count moving into freed places (it returns the order);
+- `compact()`: drops leading columns that are padding in every row, so the length can grow again. Every row's
+  tokens fit the context, so after compacting the longest row has room.
+The buffers are allocated once and left unwritten (`zeroed=False`): a new cache per join or leave would zero and
+copy the batch's whole size, and an idle server's pages take no memory. Only written positions are read (a
+joining row's padding columns are zeroed). Invariant: from the cache's length on, every row's columns are
+marked real, as in a fresh KVCache, so each step's new key is attended.
 """
 
 from __future__ import annotations

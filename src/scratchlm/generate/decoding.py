@@ -1,13 +1,10 @@
 """generate() and stream(): the new tokens of one prompt or of a batch, decoded by the engine (engine.py).
 
-`generate(model, prompt_ids, max_new_tokens, ...)` returns the new tokens of each prompt; `stream(...)` yields them
-one step at a time (the CLI prints text as it is produced). Both run on the engine `scratchlm serve` runs on,
-driven on the caller's thread: each prompt is prefilled alone and joins the batch, and every step decodes one
-token for every row still going. Each row samples by sampling.py's rule with its own generator, seeded `seed + i`
-for prompt i, so a prompt alone gives what the server gives for the same seed. A row stops at `eos_id` (not
-returned) or after `max_new_tokens`. A prompt that does not fit the model's context with its new tokens (prompt +
-max_new_tokens - 1 tokens: the last token is never fed back) is refused before any work: there is no sliding
-window, in generate() as in the server.
+`generate` returns the new tokens of each prompt; `stream` yields them one step at a time (the CLI prints text
+as it comes). Both drive the server's engine on the caller's thread. Prompt i samples with its own generator,
+seeded `seed + i`, so a prompt alone gives what the server gives for the same seed. A row stops at `eos_id` (not
+returned) or after `max_new_tokens`; a prompt that does not fit the context with them (prompt + max_new_tokens - 1)
+is refused before any work.
 
 `use_cache=False` is the oracle that tests and benchmarks hold the engine to: every step recomputes the whole
 sequence through the model (left-padded rows, no cache), sampling each row as the engine does.

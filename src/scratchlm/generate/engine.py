@@ -1,28 +1,17 @@
 """The continuously batched decoder: concurrent sequences decode together, joining and leaving between steps.
 
-The one decoding engine of scratchlm: `generate()` and `scratchlm generate` drive it on the caller's thread
-(`decode`: the prompts given, to their ends), `scratchlm serve` on a thread of its own (`start`, `submit`),
-with the HTTP protocol in serve/ around it. Either way one thread owns the model. `submit` puts sequences in a
-waiting queue (bounded: `QueueFull` past `max_queue`); before every decoding step the engine admits waiting
-sequences while the batch has fewer than `max_batch` rows, drops the rows that ended or were cancelled, and then
-decodes one token for every row in one forward pass over the shared KV cache (batch_cache.py). Each row samples
-with its own settings and its own `torch.Generator` by sampling.py's rule (`probabilities`, one pass over the
-batch, then one draw per row), so a row's tokens do not depend on the rows beside it: a sequence gives the same
-tokens for the same seed alone or in a batch, through generate() or the server.
+generate() drives it on the caller's thread (`decode`), `scratchlm serve` on a thread of its own (`start`,
+`submit`); either way one thread owns the model. `submit` queues sequences (`QueueFull` past `max_queue`);
+before every step the engine admits waiting ones while the batch has fewer than `max_batch` rows, drops the
+rows that ended or were cancelled, then decodes one token for every row in one forward pass over the shared KV
+cache (batch_cache.py). A joining sequence is prefilled alone into a one-row scratch cache, then copied in.
+Each row samples by sampling.py's rule with its own `torch.Generator`, so its tokens for a seed do not depend
+on the rows beside it. Prompt + max_tokens - 1 must fit the context (`check`; no sliding window).
 
-A joining sequence is prefilled alone, into a one-row scratch cache, then copied into the batch's cache
-(batch_cache.py: buffers for max_batch rows, allocated once with the engine and filled as rows use them).
-Its prompt plus its max_tokens - 1 (the last token is never fed back) must fit the model's context (`check`;
-there is no sliding window here), which is what lets `BatchCache.compact` always make room. Results go out
-through each sequence's `emit` callback, called on the engine thread: `Token` per sampled token, then
-`Finished`, or `Failed` (shutdown, or an error in a step).
-With `prompt_logprobs`, the prefill also reports the log-probability of every prompt token (`PromptLogprobs`).
-A sequence ends ("stop") at the engine's `eos_id` or at one of its own `Sampling.stop_ids` (a chat request's
-end-of-turn ids: <|im_end|>, <|eot_id|>); such an id is no part of the text or the token count.
-With `logprobs`, a sampled <|endoftext|> is a `Token` too (text '', with its log-probability) before `Finished`:
-every sampled token has its entry, as in OpenAI's logprobs, which lm-eval's log-likelihood relies on.
-
-The engine is free of HTTP: app.py adapts it to requests, and tests drive it directly.
+Results go out through each sequence's `emit`, on the engine thread: `PromptLogprobs` (with prompt_logprobs),
+a `Token` per sampled token, then `Finished` or `Failed`. A sequence stops at `eos_id` or one of its
+`stop_ids` (a chat's end-of-turn ids), which are no part of the text or the count; with `logprobs` such an id
+is still a `Token` (text '') before `Finished`, as OpenAI's logprobs have it and lm-eval relies on.
 """
 
 from __future__ import annotations
@@ -190,9 +179,9 @@ class Engine:
         max_tokens: there is no sliding window, so what cannot fit is refused before any work."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if any(type(token) is not int or not 0 <= token < self.prompt_limit for token in prompt_ids):
-            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < self.prompt_limit)
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.prompt_limit})")
+        for token in prompt_ids:
+            if type(token) is not int or not 0 <= token < self.prompt_limit:
+                raise ValueError(f"token id {token!r} is outside the vocabulary [0, {self.prompt_limit})")
         context = self.model.config.context_length
         if len(prompt_ids) + max(max_tokens - 1, 0) > context:  # the last token sampled is never fed back
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, more than "
@@ -332,7 +321,8 @@ class Engine:
         for i, (row, token) in enumerate(zip(rows, tokens)):
             logprob = top = None
             if scores is not None and i in wanted:
-                logprob, top = self._token_scores(scores[wanted.index(i)], token, row.sampling.logprobs)
+                row_scores = scores[wanted.index(i)]
+                logprob, top = float(row_scores[token]), _top(row_scores[None], row.sampling.logprobs)[0]
             if token == self.eos_id or token in row.sampling.stop_ids:  # end of text or of a turn: no part of the
                 # completion's text or token count, but with logprobs it has its entry (lm-eval drops the last
                 if logprob is not None:  # entry as the sampled one)
@@ -373,26 +363,13 @@ class Engine:
         """log-softmax over the tokenizer's ids, in float32: the model's own distribution (no temperature)."""
         return logits[..., :self.vocab_limit].float().log_softmax(dim=-1)
 
-    @staticmethod
-    def _token_scores(scores: torch.Tensor, token: int, alternatives: int) -> tuple[float, dict[int, float]]:
-        top = {}
-        if alternatives:
-            values, ids = scores.topk(alternatives)
-            top = dict(zip(ids.tolist(), values.tolist()))
-        return float(scores[token]), top
 
     def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, alternatives: int) -> PromptLogprobs:
         """logits (P, V) of the whole prompt -> the log-probability of each prompt token after the ones before."""
         scores = self._log_probs(logits[:-1])  # (P - 1, V): position i predicts token i + 1
         targets = torch.tensor(prompt[1:], device=scores.device)
         logprobs = scores.gather(-1, targets[:, None])[:, 0].tolist() if len(prompt) > 1 else []
-        top: list[dict[int, float] | None] = [None]
-        if alternatives:
-            values, ids = scores.topk(alternatives, dim=-1)
-            top += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        else:
-            top += [{} for _ in logprobs]
-        return PromptLogprobs([None, *logprobs], top)
+        return PromptLogprobs([None, *logprobs], [None, *_top(scores, alternatives)])
 
     def _fail_all(self, message: str, kind: str = "server_error") -> None:
         for row in self._rows:
@@ -405,3 +382,11 @@ class Engine:
                 waiting, self._waiting = list(self._waiting), collections.deque()
             for sequence in waiting:
                 sequence.emit(Failed(message, kind))
+
+
+def _top(scores: torch.Tensor, alternatives: int) -> list[dict[int, float]]:
+    """Each row of scores (N, V): its `alternatives` likeliest ids and their log-probabilities ({} for none)."""
+    if not alternatives:
+        return [{} for _ in range(len(scores))]
+    values, ids = scores.topk(alternatives, dim=-1)
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -1,29 +1,18 @@
 """Causal multi-head self-attention with rotary position embeddings, in the order of the CS336 handout.
 
-- `RotaryPositionalEmbedding` (RoPE): rotates each ADJACENT pair (x₂ᵢ, x₂ᵢ₊₁) of a query or key by the angle
-  pos · θ^(-2i/d_k), as the CS336 reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2) instead; compat/hf.py
-  permutes Q/K rows to map). The cos/sin tables are precomputed once, as non-persistent buffers (never saved).
+- `RotaryPositionalEmbedding` rotates each ADJACENT pair (x₂ᵢ, x₂ᵢ₊₁) by pos · θ^(-2i/d_k), as the CS336
+  reference does (Hugging Face's Llama rotates (xᵢ, xᵢ₊d/2); compat/hf.py permutes Q/K rows to map).
   `Llama3Scaling` optionally rescales the frequencies first (Llama 3.1's long-context rule).
-- `scaled_dot_product_attention(Q, K, V, mask)`: softmax(Q Kᵀ / √d_k) V over any leading dims. `mask` is bool,
-  True = may attend. A query whose keys are ALL masked returns zeros, not NaN: that happens at left-padding
-  positions of a batch, whose outputs are never used, but NaNs there would still poison the backward pass. Only
-  one (T_q, T_k) tensor per call is kept for backward, the softmax output, as in Hugging Face's eager attention.
-- `causal_attention(q, k, v, key_padding, documents)`: the attention of a decoder, built on it: each query sees
-  itself and the keys before it (and, with a KV cache, every cached key), never a padding key, and with
-  `documents` (B, T) only the keys of its own document: several documents packed into one row (fine-tuning's
-  conversations) are then computed exactly as each alone (the model restarts their RoPE positions too).
-- `MultiHeadSelfAttention`: q/k/v/output projections as separate `Linear`s (the reference state-dict names),
-  optional q/k/v biases, optional QK-norm, RoPE, an optional KV cache for decoding. With grouped-query
-  attention (num_kv_heads < num_heads; 1 = multi-query) K and V have only num_kv_heads heads, each shared by
-  a group of num_heads / num_kv_heads consecutive query heads (Ainslie et al., 2023): the cache holds those
-  few heads, and the attention core gets them as they are (q (B, H, T, d_k), k and v (B, H_kv, T, d_k)); the
-  readable core repeats each over its group. The head size is its own setting (head_dim), independent of
-  d_model.
+- `scaled_dot_product_attention`: softmax(Q Kᵀ / √d_k) V; a query whose keys are ALL masked (left padding)
+  returns zeros, not NaN, which would poison the backward pass.
+- `causal_attention`: each query sees itself, earlier and cached keys, never padding, and with `documents`
+  only its own packed document's keys (each document computed exactly as alone).
+- `MultiHeadSelfAttention`: separate q/k/v/output `Linear`s (the reference names), optional biases and
+  QK-norm, RoPE, KV cache. With grouped-query attention (num_kv_heads < num_heads) each KV head serves
+  num_heads / num_kv_heads consecutive query heads; the cache holds only the KV heads.
 
-This file is the readable reference and what runs by default. Faster implementations of the same contracts
-live in model/kernels/ (a cache-blocked attention core, torch's fused SDPA, RoPE as one complex multiply); the
-trainer and the generator switch them on from outside by setting `MultiHeadSelfAttention.attention_core` and
-`RotaryPositionalEmbedding.rotate` (`kernels.apply`), and tests/test_kernels.py proves them equal to this.
+This is the readable path that runs by default; model/kernels/ swaps in faster equivalents through
+`MultiHeadSelfAttention.attention_core` and `RotaryPositionalEmbedding.rotate` (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -214,7 +203,7 @@ class MultiHeadSelfAttention(nn.Module):
         documents (B, T) int: each query attends only keys of its own document (packed sequences, no cache).
         """
         past = kv_cache.length if kv_cache is not None else 0
-        if self.max_seq_len is not None and past + x.shape[-2] > self.max_seq_len:
+        if past + x.shape[-2] > self.max_seq_len:
             raise ValueError(f"sequence length {past + x.shape[-2]} exceeds max_seq_len {self.max_seq_len}")
         q = self._heads(self.q_proj(x), self.num_heads)  # (B, H, T, d_k)
         k = self._heads(self.k_proj(x), self.num_kv_heads)  # (B, H_kv, T, d_k)
@@ -235,7 +224,7 @@ class MultiHeadSelfAttention(nn.Module):
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (B, T, H·d_k) -> (B, T, d_model)
 
     def _heads(self, projected: torch.Tensor, heads: int) -> torch.Tensor:
-        """(B, T, heads·d_k) -> (B, heads, T, d_k), a view. Q, K and V are three projections: one matmul against
-        the concatenated weights is no faster on large inputs, copies its weights per call (most of the work
-        when decoding one token), keeps that copy alive for backward, and its split costs a copy in backward."""
+        """(B, T, heads·d_k) -> (B, heads, T, d_k), a view. Q, K and V stay three projections: a matmul against
+        concatenated weights would copy them every call and keep the copy alive for backward (the decoding step,
+        kernels/decode_step.py, concatenates them once)."""
         return projected.unflatten(-1, (heads, self.head_dim)).transpose(-3, -2)

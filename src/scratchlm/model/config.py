@@ -24,6 +24,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("rope", "nope")
 FFNS = ("swiglu", "silu", "relu2")
 ROPE_SCALINGS = ("none", "llama3")
+_ZERO_ALLOWED = {"norm_eps": ">= 0", "logit_softcap": ">= 0 (0: no cap)"}  # the other float fields must be > 0
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -96,13 +97,11 @@ class ModelConfig:
         if self.d_ff is None:
             self.d_ff = swiglu_hidden_size(self.d_model) if self.ffn == "swiglu" else 4 * self.d_model
         self._check_positive_int("d_ff")
-        if not _is_finite_number(self.rope_theta) or self.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
-        if not _is_finite_number(self.norm_eps) or self.norm_eps < 0:
-            raise ValueError(f"model.norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
-        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
-            if not _is_finite_number(getattr(self, name)) or getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "logit_softcap"):
+            value, bound = getattr(self, name), _ZERO_ALLOWED.get(name, "> 0")
+            if not _is_finite_number(value) or value < 0 or (value == 0 and bound == "> 0"):
+                raise ValueError(f"model.{name} must be a finite number {bound}, got {value!r}")
         if self.rope_high_freq_factor <= self.rope_low_freq_factor:  # the llama3 rule divides by their difference
             raise ValueError(f"model.rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
                              f"model.rope_low_freq_factor ({self.rope_low_freq_factor})")
@@ -110,9 +109,6 @@ class ModelConfig:
         for name in ("tie_embeddings", "qk_norm", "qkv_bias", "zero_init_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
-        if not (_is_finite_number(self.logit_softcap) and self.logit_softcap >= 0):
-            raise ValueError(f"model.logit_softcap must be a finite number >= 0 (0: no cap), "
-                             f"got {self.logit_softcap!r}")
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

@@ -1,19 +1,15 @@
 """The building blocks of the Transformer, from tensor primitives: Linear, Embedding, norms, silu, softmax.
 
-Each layer mirrors its torch counterpart (`nn.Linear`, `nn.Embedding`, `nn.RMSNorm`,
-`nn.LayerNorm`, `F.silu`, `torch.softmax`); tests/test_layers.py proves the equality on random and extreme
-inputs. Design choices:
-- Weights are stored as the reference does (`Linear.weight` is (out, in)), so CS336 reference state dicts load
-  without any remapping.
+Each mirrors its torch counterpart (`nn.Linear`, `nn.Embedding`, `nn.RMSNorm`, `nn.LayerNorm`, `F.silu`,
+`torch.softmax`; tests/test_layers.py proves the equality). Design choices:
+- Weights are stored as the reference does (`Linear.weight` is (out, in)): CS336 state dicts load as they are.
 - Norms compute in float32 and cast back: squaring a bf16/fp16 activation of magnitude ~300 overflows fp16
   (300² · d > 65504) and loses all precision in bf16.
-- `softmax` is an autograd.Function with a hand-written backward: it saves only its output (like
-  `torch.softmax`) instead of the four intermediates a chain of primitives would keep alive, which matters
-  for the (B, H, T, T) attention scores. `silu` likewise saves only its input (like `F.silu`), not x and σ(x).
-- `Linear` computes x Wᵀ through its `matmul` attribute, `linear` here unless the trainer or the generator
-  switched in a faster equivalent from model/kernels/ (`kernels.apply`). The optional bias (only the q/k/v
-  projections of ``qkv_bias`` models have one) is added after `matmul`, so every kernel computes x Wᵀ alone.
-  `RMSNorm` likewise normalizes through its `normalize` attribute (`rms_norm` here).
+- `softmax` and `silu` have hand-written backwards that save only their output / input, as torch's do, not the
+  intermediates a chain of primitives would keep alive (which matters for the (B, H, T, T) attention scores).
+- `Linear` computes x Wᵀ through its `matmul` attribute and `RMSNorm` normalizes through `normalize`, which
+  model/kernels/ may swap for faster equivalents; the optional bias is added after `matmul`, so every kernel
+  computes x Wᵀ alone.
 """
 
 from __future__ import annotations

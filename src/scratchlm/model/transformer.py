@@ -1,16 +1,15 @@
 """The Transformer language model: feed-forward layers, the block, and TransformerLM.
 
-`TransformerLM(config)` is built entirely from a `ModelConfig`; the ablation switches (norm kind and position,
-RoPE or none, SwiGLU, SiLU or ReLU² FFN, tied embeddings, QK-norm, zero-initialised residual projections, logit
-soft-capping) and the switches of pretrained checkpoints (grouped-query attention, head_dim, q/k/v biases,
-llama3 RoPE scaling) select modules here, never forks of the code. Parameter
-names follow the CS336 reference (`token_embeddings`, `layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`,
-`ffn.w1/w2/w3`, `ln_final`, `lm_head`) so reference weights load without remapping.
+`TransformerLM(config)` is built entirely from a `ModelConfig`: its ablation switches (norm kind and position,
+RoPE or none, FFN kind, tied embeddings, QK-norm, zero-initialised residual projections, logit soft-capping) and
+those of pretrained checkpoints (grouped-query attention, head_dim, q/k/v biases, llama3 RoPE scaling) select
+modules, never forks of the code. Parameter names follow the CS336 reference (`token_embeddings`,
+`layers.{i}.attn.{q,k,v,output}_proj`, `ln1`, `ln2`, `ffn.w1/w2/w3`, `ln_final`, `lm_head`).
 
-The model knows nothing of devices, compile, autocast, DDP or speed paths. The trainer adjusts it from outside
-through two plain attributes, `check_inputs` (the token-id range check costs a device sync on GPU; turn it off
-when the data was validated at load) and `checkpoint_blocks` (activation checkpointing per block while
-training), and switches in faster implementations of the same math with `model.kernels.apply(model, device)`.
+The model knows nothing of devices, compile, autocast or DDP. The trainer sets two plain attributes,
+`check_inputs` (the token-id range check syncs on GPU; off when the data was validated at load) and
+`checkpoint_blocks` (activation checkpointing per block), and switches in faster implementations of the same
+math with `model.kernels.apply(model, device)`.
 """
 
 from __future__ import annotations
@@ -47,8 +46,11 @@ class SwiGLU(nn.Module):
         return self.w2(self.hidden(self.w1(x), self.w3(x)))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
 
 
-class SiLUFFN(nn.Module):
-    """W2 SiLU(W1 x): the ungated FFN ablation (d_ff = 4·d_model keeps the parameter count near SwiGLU's)."""
+class _UngatedFFN(nn.Module):
+    """W2 hidden(W1 x), an ungated FFN; each subclass names its activation `hidden`. d_ff = 4·d_model gives it
+    the parameters of SwiGLU at 8/3·d."""
+
+    hidden: staticmethod
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -59,34 +61,21 @@ class SiLUFFN(nn.Module):
     def inputs(self) -> tuple[Linear, ...]:
         return (self.w1,)
 
-    @staticmethod
-    def hidden(up: torch.Tensor) -> torch.Tensor:
-        return silu(up)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hidden(self.w1(x)))
+        return self.w2(self.hidden(self.w1(x)))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
 
 
-class ReLU2FFN(nn.Module):
-    """W2 ReLU(W1 x)²: the squared-ReLU FFN of Primer (So et al., 2021) and the modded-nanogpt speedrun. Ungated,
-    so d_ff = 4·d_model gives it the parameters of SwiGLU at 8/3·d; its sparse, sharper activations train faster
-    per FLOP than SwiGLU at these small scales."""
+class SiLUFFN(_UngatedFFN):
+    """W2 SiLU(W1 x): the ungated FFN ablation."""
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
-        super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+    hidden = staticmethod(silu)
 
-    @property
-    def inputs(self) -> tuple[Linear, ...]:
-        return (self.w1,)
 
-    @staticmethod
-    def hidden(up: torch.Tensor) -> torch.Tensor:
-        return relu_squared(up)
+class ReLU2FFN(_UngatedFFN):
+    """W2 ReLU(W1 x)²: the squared-ReLU FFN of Primer (So et al., 2021) and the modded-nanogpt speedrun; its
+    sparse, sharper activations train faster per FLOP than SwiGLU at these small scales."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hidden(self.w1(x)))
+    hidden = staticmethod(relu_squared)
 
 
 FFN_CLASSES = {"swiglu": SwiGLU, "silu": SiLUFFN, "relu2": ReLU2FFN}

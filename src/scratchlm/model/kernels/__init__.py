@@ -16,16 +16,10 @@ readable path (values and gradients) in tests/test_kernels.py:
 | decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
 | compiled_step     | decode_step's one-token steps, opt-in            | CPU: bf16 and float32, any batch          |
 
-decode_step and compiled_step are built from the model's own pieces (its norms, RoPE, attention core, FFN
-activation, soft-cap): each piece of the block is computed in one place, model/.
-
-Who applies them: the trainer (train/setup.py `build_model` calls `apply(model, device, fused_attention=...)`),
-the generator (generate/sampling.py decodes under `decoding(model)`), and the benchmarks. A kernel checks
-its own conditions on every call and otherwise computes the readable way, so a model moved to another device,
-another dtype, or a torch without oneDNN's private ops still computes the same thing. A kernel that needs an
-instruction-set feature asks cpu.py first (which honours ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA), and
-without it the plain path runs. `readable(model)` puts every module back on the readable path (e.g. to step
-through it in a debugger).
+decode_step and compiled_step are built from the model's own pieces, so each piece of a block is computed in
+one place, model/. The trainer applies them (`apply`, train/setup.py) and the generator decodes under
+`decoding(model)`. A kernel checks its conditions on every call (device, dtype, oneDNN's ops, the ISA that cpu.py
+allows) and otherwise computes the readable way; `readable(model)` puts every module back on the readable path.
 """
 
 from __future__ import annotations
@@ -66,16 +60,6 @@ def choices(device: torch.device | str, fused_attention: bool | None = None) -> 
             Linear: few_rows_linear if device.type == "cpu" else linear, RMSNorm: rms_norm}
 
 
-def decoding_choices(device: torch.device | str) -> dict[type, object]:
-    """`choices` for decoding (no autograd, a few new tokens against a cache): the fused norm, and on a CPU the
-    grouped attention core."""
-    device = torch.device(device)
-    chosen = choices(device) | {RMSNorm: fused_rms_norm}
-    if device.type == "cpu":
-        chosen[MultiHeadSelfAttention] = grouped_causal_attention
-    return chosen
-
-
 def apply(model: nn.Module, device: torch.device | str | None = None, *,
           fused_attention: bool | None = None) -> nn.Module:
     """Switch every attention core, RoPE and Linear of `model` to the fastest path on `device` (default: where
@@ -86,10 +70,7 @@ def apply(model: nn.Module, device: torch.device | str | None = None, *,
 
 def readable(model: nn.Module) -> nn.Module:
     """Put every module of `model` back on the readable path of model/; returns the model."""
-    for module in model.modules():
-        for kind, attribute, default in _HOOKS:
-            if isinstance(module, kind):
-                setattr(module, attribute, default)
+    _install(model, {kind: default for kind, _, default in _HOOKS}, only_readable=False)
     return model
 
 
@@ -106,7 +87,10 @@ def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
     models and calls decode as without). Every module gets its previous implementation back on exit."""
     saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
              for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
-    chosen = decoding_choices(_device_of(model))
+    device = _device_of(model)
+    chosen = choices(device) | {RMSNorm: fused_rms_norm}  # no autograd, a few tokens against a cache
+    if device.type == "cpu":
+        chosen[MultiHeadSelfAttention] = grouped_causal_attention
     _install(model, chosen, only_readable=True)
     step = forward_step(model)
     packed: nn.Module = model

@@ -1,17 +1,15 @@
 """The causal attention core in cache-sized chunks, with a hand-written backward: the CPU training path.
 
-Wins on: CPUs, whose attention core is bound by memory traffic, not arithmetic. The readable core
-(model/attention.py) streams the whole (B·H, T_q, T_k) score tensor through memory once per op: the QKᵀ
-matmul, the scale, the mask, the softmax's passes, the matmul with V, and as many again in backward. This one
-walks the B·H slices a few at a time (`CHUNK_ELEMENTS` scores, 2 MiB in float32: small enough to stay in a
-core's L2 cache), so each chunk's scores go from the matmul that writes them, through an in-place softmax, to
-the matmul that reads them, without a trip to memory; one `baddbmm` computes mask bias + QKᵀ/√d_k. Elsewhere
-(GPU, MPS) a chunk holds every slice: the same ops in one go, where kernel launches, not caches, are the cost.
+Wins on: CPUs, where the attention core is bound by memory traffic: the readable core streams the whole
+(B·H, T_q, T_k) score tensor through memory once per op. This one walks the B·H slices a few at a time
+(`CHUNK_ELEMENTS` scores, within a core's L2 cache), so each chunk's scores go from the matmul that writes them,
+through an in-place softmax, to the matmul that reads them without a trip to memory; one `baddbmm` computes
+mask bias + QKᵀ/√d_k. Elsewhere (GPU, MPS) one chunk holds every slice: kernel launches are the cost there.
 
 The backward walks the same chunks with the kept probabilities p (the scores are never kept):
     dv = pᵀ do,  ds = p ⊙ (dp - Σ p ⊙ dp) / √d_k  (softmax's backward) with dp = do vᵀ,  dq = ds k,  dk = dsᵀ q.
 ds is already 0 wherever p is, so masked keys need no masked-fill backward. A fully masked row gives zeros,
-not NaN, as in the readable core. tests/test_kernels.py proves values and gradients equal to the readable core.
+not NaN, as in the readable core (tests/test_kernels.py).
 """
 
 from __future__ import annotations

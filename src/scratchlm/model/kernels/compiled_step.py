@@ -1,25 +1,17 @@
 """A decoding step compiled ahead of time for CPUs: `generate(..., compile=True)`, `scratchlm generate --compile`.
 
-Wins on: CPUs, where the eager step (decode_step.py) spends most of its time outside the products, in ~330 small
-tensor ops a token (norms, RoPE, casts, softmax), each a Python call and a dispatch. Here the step is exported and
-built by AOTInductor into a shared library: a step is one C++ call, those ops fused into a few loops, with no
-Python per op and no guards. Two libraries for each cache size, each built at its first call:
-- one row (batch 1): float32 products as inductor's own loop, x·W summed over the input features (a
-  matrix-vector product at cache or memory speed, where a BLAS runs one row at about half of it); bf16 products as
-  `x @ Wᵀ` on weights that inductor packs for oneDNN;
-- several rows (a dynamic dimension): every product as `x @ Wᵀ` on packed weights.
-On the demo's model that is ~3.4x the eager step at batch 1 and ~2.3x at batch 8; on tinystories-17m 1.3-1.6x
-(bench_llama_cpp.py, bench_generate.py; figures in docs/benchmarks.md).
-The price is the build, seconds for each library, paid once per model in a process (kept for the model's life while
-its weights are unchanged). So it pays for long generations and long-lived decoders, and it is opt-in.
+Wins on: CPUs, where the eager step (decode_step.py) spends most of its time in hundreds of small tensor ops a
+token (norms, RoPE, casts, softmax), each a Python call and a dispatch. AOTInductor builds the step into a shared
+library: one C++ call, those ops fused into a few loops. Two libraries per cache size, each built at first call:
+one row (float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights
+inductor packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights). The build
+takes seconds, paid once per model in a process, so it is opt-in (figures: docs/benchmarks.md).
 
-What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one
-new token a row, rows with left padding included (each row's position is its count of real tokens, the padded
-keys are masked). The cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
-build again. What export traces is decode_step.py's own step (`DecodeStep.step`, the model's pieces around
-concatenated q/k/v and FFN input products) over the library's inputs, its products swapped for the ones above: the
-decoding step is written once. Anything else (a prefill, an attention mask, autograd, weights changed since the
-build) takes the eager step. Tested against the model's forward in tests/test_compiled_step.py.
+What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one new
+token a row, left padding included. The cache's length is a dynamic dimension and the position a tensor, so a
+growing cache does not rebuild. Export traces decode_step.py's own `DecodeStep.step` over the library's inputs,
+so the step is written once. Anything else (a prefill, a mask, autograd, weights changed since the build) takes
+the eager step. Tested against the forward in tests/test_compiled_step.py.
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ from scratchlm.model.transformer import TransformerLM
 if TYPE_CHECKING:  # a type only: importing inductor's package loader takes seconds
     from torch._inductor.package.package import AOTICompiledModel
 
-COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # where compiling was measured to win (see above)
+COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # where compiling was measured to win
 log = logging.getLogger("scratchlm.compile")
 _compiled: weakref.WeakKeyDictionary[TransformerLM, CompiledStep] = weakref.WeakKeyDictionary()
 

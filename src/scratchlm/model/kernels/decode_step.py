@@ -1,23 +1,13 @@
-"""A decoding step of a TransformerLM in as few tensor ops as its math allows: the steps (and the prefills) of
-generate() and serve.
+"""A decoding step (and prefill) of a TransformerLM in as few tensor ops as its math allows: generate() and serve.
 
-Wins on: CPUs, for the small models this project trains, where a decoding step is bound as much by the number of
-tensor ops as by streaming the weights, so fewer, larger ops decode more tokens a second than the model's
-forward with the same kernels (figures: docs/benchmarks.md). It computes what
-`model(ids (B, T), kv_cache=cache, last_only=True)` computes for a pre-norm model, piece by piece with the model's
-own pieces: its norms, QK-norm, RoPE (`rope.angles`, `rope.rotated`), attention core, FFN activation (`hidden`),
-soft-cap, under whatever kernels are installed on them (`kernels.decoding` installs the fused norm and the
-grouped attention core). What the step itself adds is only this:
-- q, k and v as one product against their concatenated weights, and the FFN's input projections (SwiGLU's W1
-  and W3) as one: half the calls, and larger products, which oneDNN and BLAS run nearer memory speed;
-- the B·T new tokens as the rows of every product, through the same packed matmuls (packed_linear.py) as a
-  step: a prompt's prefill too;
-- the positions' RoPE angles taken once a step, not twice a layer; q and k rotated together;
-- no checks beyond the cache's own: the caller (generate(), the server) made the ids.
-Anything else goes to the model's forward: several new tokens after left padding, an attention mask, autograd
-on, a post-norm model, more tokens than the context has left, or weights changed in place since the step was
-built. Proven equal to the forward over many steps and prefills, with padding and grouped heads, in
-tests/test_decode_step.py.
+Wins on: CPUs, for small models, whose decoding steps are bound as much by the number of ops as by streaming the
+weights. It computes `model(ids (B, T), kv_cache=cache, last_only=True)` of a pre-norm model with the model's
+own pieces (norms, QK-norm, RoPE, attention core, FFN `hidden`, soft-cap) under whatever kernels are installed.
+It adds only: q, k and v as one product against concatenated weights, and SwiGLU's W1 and W3 as one; the B·T
+new tokens as the rows of every product (a prompt's prefill too); RoPE angles once a step, q and k rotated
+together; no checks beyond the cache's own (the caller made the ids). Anything else goes to the model's forward:
+several new tokens after left padding, an attention mask, autograd, more tokens than the context has left, or
+weights changed in place since the step was built. Proven equal to the forward in tests/test_decode_step.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """x Wᵀ for a few float32 rows on CPU, computed as (W xᵀ)ᵀ: the matmuls of decoding.
 
-Wins on: CPUs with a BLAS (MKL, OpenBLAS) that runs x Wᵀ, for a row-major W and a handful of rows, through its
-matrix-vector kernels, which reach a fraction of memory speed, while W xᵀ, (out, in) @ (in, rows), streams W
-through the matrix-matrix kernel. That is the shape of every matmul of a decoding step (one row per sequence);
-a single row is doubled to reach the matrix-matrix kernel. From 2 rows on, a W wider than tall (the FFN's down
-projection) is faster as x Wᵀ. Training batches (thousands of rows) and other dtypes and devices take x Wᵀ.
-Figures: docs/benchmarks.md (bench_generate). The result is the same product (tests/test_kernels.py).
+Wins on: CPUs whose BLAS runs x Wᵀ, for a row-major W and a handful of rows, through its slow matrix-vector
+kernels, while W xᵀ streams W through the matrix-matrix kernel (a single row is doubled to reach it). From 2 rows
+on, a W wider than tall (the FFN's down projection) is faster as x Wᵀ. Training batches and other dtypes and
+devices take x Wᵀ. The same product (tests/test_kernels.py); figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,14 +19,10 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`layers.linear` (x (..., in) -> x Wᵀ (..., out)), as (W xᵀ)ᵀ where that is faster."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if not _faster_as_w_xt(x, rows, in_features, out_features):
+    faster = rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32 and (
+        rows == 1 or in_features <= out_features)
+    if not faster:
         return linear(x, weight)
     flat = x.reshape(rows, in_features)
     columns = torch.cat((flat, flat)).t() if rows == 1 else flat.t()  # a single row is doubled (see above)
     return (weight @ columns).t()[:rows].reshape(*x.shape[:-1], out_features)
-
-
-def _faster_as_w_xt(x: torch.Tensor, rows: int, in_features: int, out_features: int) -> bool:
-    if rows > MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-        return False
-    return rows == 1 or in_features <= out_features

@@ -1,9 +1,8 @@
 """RMSNorm as torch's fused `rms_norm` (aten): one op for the six of the readable `layers.rms_norm`.
 
-Wins on: every device, for the small activations of decoding, where each of the readable norm's ops is a
-dispatch of a few microseconds (a tinystories-17m step has nine norms). It computes the same bits in float32,
-bf16, fp16 and float64 (tests/test_kernels.py): it too normalizes in at least float32, multiplies by the gain
-there and rounds once.
+Wins on: every device, for decoding's small activations, where each op is a dispatch of a few microseconds.
+It computes the same bits in float32, bf16, fp16 and float64 (tests/test_kernels.py): it too normalizes in at
+least float32, multiplies by the gain there and rounds once.
 """
 
 from __future__ import annotations

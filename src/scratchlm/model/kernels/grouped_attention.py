@@ -2,15 +2,12 @@
 
 Wins on: CPUs, for decoding steps and prefills (a few new queries against a KV cache), where the readable core
 spends its time in small ops around two thin products:
-- grouped-query attention without repeating K and V: the query heads that share a KV head, and their new
-  tokens, are the rows of one product against that head's keys, so the cache is read once per KV head (with one
-  new token and no padding, the grouping is a view);
-- in at least float32: on a CPU without bf16 instructions the batched bf16 products are emulated and, at these
-  sizes, slower than upcasting the step's keys and values (a small copy) and multiplying in float32. The sums
-  are float32 either way; the scores and weights skip their rounding to bf16, within the readable core's
-  tolerance (tests/test_kernels.py);
+- no repeated K and V: the query heads sharing a KV head, and their new tokens, are the rows of one product
+  against that head's keys (with one new token and no padding, the grouping is a view);
+- in at least float32: without bf16 instructions, batched bf16 products are emulated and slower than upcasting
+  the step's keys and values; the sums are float32 either way, within the readable core's tolerance;
 - torch's softmax, one op for the readable one's five.
-Installed as the attention core by `kernels.decoding` on CPU, and the fused step's own core (decode_step.py).
+Installed by `kernels.decoding` on CPU, and the fused step's core (decode_step.py).
 """
 
 from __future__ import annotations

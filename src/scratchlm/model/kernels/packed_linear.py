@@ -1,20 +1,16 @@
 """x Wᵀ on CPU through oneDNN with W packed once: the matmuls of decoding.
 
-Wins on: CPUs with oneDNN (torch's x86 builds), for decoding steps (a few rows, no autograd). MKL runs such
-few-row products far below the cores' peak, while oneDNN's JIT kernels, given each weight reordered once into
-their blocked layout, run them near memory speed. The rule below is the one measured end to end (bench_generate,
-tinystories-17m, on AVX2 and AVX-512; figures in docs/benchmarks.md), fixed rather than timed at start-up, so
-the same machine always decodes the same way:
-- float32 weights are packed for steps of 2 rows and more; a single row multiplies unpacked
-  (few_rows_linear.py), as fast or faster;
-- bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`: half the bytes
-  to stream), else as float32 copies with the inputs upcast and the product rounded back once: what a bf16
-  matmul computes (float32 sums, one rounding), without emulating bf16 arithmetic. fp16 weights as float32.
+Wins on: CPUs with oneDNN (torch's x86 builds), for decoding steps (a few rows, no autograd): MKL runs such
+few-row products far below peak, oneDNN's JIT kernels on a weight reordered once into their blocked layout run
+them near memory speed. The rule, fixed (measured with bench_generate, docs/benchmarks.md) so that a machine
+always decodes the same way:
+- float32 weights are packed for steps of 2 rows and more; a single row takes few_rows_linear.py;
+- bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`), else as float32
+  copies, the inputs upcast and the product rounded back once (what a bf16 matmul computes); fp16 as float32.
 
-The ops are private ones, the ones torch.compile's CPU backend emits (`torch.ops.mkldnn._reorder_linear_weight`,
-`_linear_pointwise`): they are called from `available` and `PackedLinear` only. Where this torch lacks them or
-they fail on this CPU, `available()` is False and nothing is packed. Inference only: the packed op has no
-backward, so with autograd on (or once the weight changed in place) the layer's own matmul runs.
+The ops are private ones that torch.compile's CPU backend emits (`torch.ops.mkldnn._reorder_linear_weight`,
+`_linear_pointwise`); where this torch lacks them or they fail, `available()` is False and nothing is packed.
+Inference only: with autograd on, or once the weight changed in place, the layer's own matmul runs.
 """
 
 from __future__ import annotations
