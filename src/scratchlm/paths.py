@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 
 DATA_DIR_ENV = "SCRATCHLM_DATA_DIR"
-_CHECKOUT = Path(__file__).resolve().parents[2]  # src/scratchlm/paths.py -> the checkout's root
 # The modern recipe (configs/recipes/modern.toml in the checkout): the default of `demo` and `plan`.
-DEFAULT_RECIPE = _CHECKOUT / "configs" / "recipes" / "modern.toml"
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "recipes" / "modern.toml"
 DEFAULT_FINETUNE = DEFAULT_RECIPE.parents[1] / "finetune.toml"  # `scratchlm finetune` without --config
 
 
@@ -24,7 +23,8 @@ def _candidates() -> list[Path]:
     if env := os.environ.get(DATA_DIR_ENV):
         found.append(Path(env))
     found.append(Path.cwd().parent / "shared" / "data")
-    found.append(_CHECKOUT.parent / "shared" / "data")
+    repo_root = Path(__file__).resolve().parents[2]  # src/scratchlm/paths.py -> repo root
+    found.append(repo_root.parent / "shared" / "data")
     return list(dict.fromkeys(found))  # run from the checkout itself, the last two are the same folder
 
 
