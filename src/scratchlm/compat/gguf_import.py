@@ -224,7 +224,7 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
     from gguf import TokenType
 
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.formats.io import from_gpt2_string
+    from scratchlm.tokenizer.formats.io import from_gpt2_merge, from_gpt2_string
     from scratchlm.tokenizer.pipeline import Pipeline
 
     model = fields.get("tokenizer.ggml.model", str, required=False)
@@ -254,12 +254,8 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
         elif kind != TokenType.UNUSED:
             raise UnsupportedGGUFTokenizer(f"token {token_id} {text!r} has type {kind} (byte-level BPE has normal, "
                                            f"control, user-defined and unused tokens)")
-    pairs = []
-    for rank, merge in enumerate(merges):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"{fields.path}: tokenizer.ggml.merges[{rank}]={_short(merge)} is not 'left right'")
-        pairs.append(tuple(from_gpt2_string(part, f"{fields.path}: tokenizer.ggml.merges[{rank}]") for part in parts))
+    pairs = [from_gpt2_merge(merge, f"{fields.path}: tokenizer.ggml.merges[{rank}]")
+             for rank, merge in enumerate(merges)]
     ignore_merges = fields.get(KEY_IGNORE_MERGES, bool, required=False)  # our export says; else llama.cpp's rule
     pipeline = Pipeline(pattern, nfc=fields.get(KEY_NFC, bool, False),
                         ignore_merges=ignores_merges if ignore_merges is None else ignore_merges)

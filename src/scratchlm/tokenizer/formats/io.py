@@ -122,6 +122,14 @@ def from_gpt2_string(text: str, where: str) -> bytes:
         raise ValueError(f"{where}: character {bad!r} in {text!r} is not in GPT-2's byte table") from None
 
 
+def from_gpt2_merge(merge: str, where: str) -> tuple[bytes, bytes]:
+    """The (left, right) bytes of a merge spelled ``"left right"`` in GPT-2's alphabet; an error names `where`."""
+    parts = merge.split(" ")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{where}: expected two tokens separated by one space, got {merge[:80]!r}")
+    return from_gpt2_string(parts[0], where), from_gpt2_string(parts[1], where)
+
+
 def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
     """bytes -> id; where two ids share bytes the smaller id wins (a deterministic choice)."""
     if not all(type(token_id) is int and token_id >= 0 for token_id in vocab):
@@ -296,11 +304,7 @@ def _read_gpt2_merges(path: Path) -> Merges:
         line = line.rstrip("\r")
         if not line or (line_number == 1 and line.startswith("#version")):
             continue
-        parts = line.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise ValueError(f"{path}:{line_number}: expected two tokens separated by one space, got {line!r}")
-        where = f"{path}:{line_number}"
-        merges.append((from_gpt2_string(parts[0], where), from_gpt2_string(parts[1], where)))
+        merges.append(from_gpt2_merge(line, f"{path}:{line_number}"))
     return merges
 
 
