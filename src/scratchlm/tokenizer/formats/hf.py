@@ -39,6 +39,7 @@ from scratchlm.tokenizer.formats.io import (
     FormatCannotHold,
     Merges,
     Vocab,
+    check_token_ids,
     from_gpt2_string,
     invert_vocab,
     read_json,
@@ -320,13 +321,7 @@ def _read_vocab(model: dict, path: Path) -> dict[str, int]:
     hf_vocab = model.get("vocab")
     if not isinstance(hf_vocab, dict):
         raise _unreadable(path, "model.vocab is missing or not an object")
-    holders: dict[int, str] = {}
-    for text, token_id in hf_vocab.items():
-        if type(token_id) is not int or token_id < 0:
-            raise _unreadable(path, f"vocab token {text!r} has id {token_id!r}, not a non-negative integer")
-        if token_id in holders:
-            raise _unreadable(path, f"id {token_id} is given to both {holders[token_id]!r} and {text!r}")
-        holders[token_id] = text
+    check_token_ids(hf_vocab, path)
     return hf_vocab
 
 

@@ -287,15 +287,21 @@ def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vo
     document = read_json(vocab_path)
     if not isinstance(document, dict):
         raise ValueError(f"{vocab_path}: expected a JSON object mapping token strings to ids")
-    vocab: Vocab = {}
-    for text, token_id in document.items():
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise ValueError(f"{vocab_path}: token {text!r} has id {token_id!r}, expected a non-negative integer")
-        if token_id in vocab:
-            raise ValueError(f"{vocab_path}: id {token_id} is given to both {to_gpt2_string(vocab[token_id])!r} "
-                             f"and {text!r}")
-        vocab[token_id] = from_gpt2_string(text, f"{vocab_path}: token")
+    check_token_ids(document, vocab_path)
+    vocab = {token_id: from_gpt2_string(text, f"{vocab_path}: token") for text, token_id in document.items()}
     return vocab, _read_gpt2_merges(merges_path)
+
+
+def check_token_ids(vocab: dict, path: Path) -> None:
+    """Every id of a {token text: id} JSON object (vocab.json, a tokenizer.json's model.vocab) is a non-negative
+    integer that no other text has."""
+    holders: dict[int, str] = {}
+    for text, token_id in vocab.items():
+        if type(token_id) is not int or token_id < 0:
+            raise ValueError(f"{path}: token {text!r} has id {token_id!r}, expected a non-negative integer")
+        if token_id in holders:
+            raise ValueError(f"{path}: id {token_id} is given to both {holders[token_id]!r} and {text!r}")
+        holders[token_id] = text
 
 
 def _read_gpt2_merges(path: Path) -> Merges:
