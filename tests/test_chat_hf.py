@@ -57,7 +57,7 @@ def _hf_chat_folder(folder, name: str):
     hf_settings = hf_config(shape)
     hf_settings.max_position_embeddings = 512  # a conversation in bytes, with a default system prompt
     hf_model(hf_settings).save_pretrained(folder)
-    write_hf_tokenizer(folder, tokenizer.vocab, tokenizer.merges, specials, added_token_flags=flags)
+    write_hf_tokenizer(folder, tokenizer)
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
                         "chat_template": config["chat_template"], **named}
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from scratchlm.compat.hf_custom_code import CONFIG_FILE, MODELING_FILE, export_custom_code
+from scratchlm.compat.hf_export import export_hf
 from scratchlm.generate.decoding import generate
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.tokenizer import Tokenizer
@@ -229,7 +230,7 @@ def test_transformers_4_loads_the_folders_with_equal_logits_and_generation(token
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tokenizer, tmp_path):
-    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size - 1))
+    model = TransformerLM(ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size - 1, ffn="relu2"))
     with pytest.raises(ValueError, match=f"tokenizer has {tokenizer.vocab_size} ids but the model only"):
-        export_custom_code(model, tokenizer, tmp_path / "out")
+        export_hf(model, tokenizer, tmp_path / "out")  # a custom-code model: export_hf checks before choosing
     assert not (tmp_path / "out").exists()

@@ -102,7 +102,7 @@ def test_gpt2_tokenizer_export_equals_ours(tmp_path, gpt2_files):
     vocab_path, merges_path = gpt2_files
     tokenizer = Tokenizer.from_files(vocab_path, merges_path, ["<|endoftext|>"])
     (tmp_path / "hf").mkdir()
-    write_hf_tokenizer(tmp_path / "hf", tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+    write_hf_tokenizer(tmp_path / "hf", tokenizer)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     for text in TEXTS:
         assert hf(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text), text

@@ -36,7 +36,7 @@ def _seed_tokenizer() -> Tokenizer:
 
 
 with tempfile.TemporaryDirectory() as _folder:  # the seed files every mutation starts from, read once
-    write_tokenizer_dir(_folder, *(lambda t: (t.vocab, t.merges, t.special_tokens))(_seed_tokenizer()))
+    write_tokenizer_dir(_folder, _seed_tokenizer())
     SEEDS = {name: (Path(_folder) / name).read_bytes()
              for name in ("scratchlm-tokenizer.json", "tokenizer.json", "vocab.json", "merges.txt")}
     write_token_file(Path(_folder) / "seed.tok", np.arange(40) % 300, vocab_size=300)

@@ -122,7 +122,7 @@ IMPORT_CASES = {
     "extra_tensor": (lambda f: _edit_tensors(f, lambda t: t.update({"extra.weight": torch.zeros(3)})),
                      "extra.weight"),
     "missing_tensor": (lambda f: _edit_tensors(f, lambda t: t.pop("model.norm.weight")),
-                       "model.safetensors lack tensor 'model.norm.weight'"),
+                       "model.safetensors: no tensor 'model.norm.weight'"),
     "tied_head_differs": (_distinct_tied_head, "lm_head.weight"),
     "index_escapes_folder": (lambda f: (f / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "../model.safetensors"}})), "not a file name inside"),

@@ -38,7 +38,7 @@ def _saved(folder, name: str, dtype: torch.dtype = torch.float32, **save_options
     """(the HF model with the weights as saved, loaded back in float32) and its folder with our tokenizer beside it.
     Loaded back, not widened in place: `.to(bfloat16)` would have rounded its RoPE frequencies too."""
     hf_model(hf_config(name)).to(dtype).save_pretrained(folder, **save_options)
-    write_hf_tokenizer(folder, TOKENIZER.vocab, TOKENIZER.merges, TOKENIZER.special_tokens)
+    write_hf_tokenizer(folder, TOKENIZER)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
                                                            local_files_only=True)
     return hf.eval(), folder

@@ -169,7 +169,7 @@ def test_init_from_a_hugging_face_llama_folder(world, tmp_path):
     folder = tmp_path / "hf"
     hf.save_pretrained(folder)
     tokenizer = byte_tokenizer(0)
-    write_hf_tokenizer(folder, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+    write_hf_tokenizer(folder, tokenizer)
     run_dir = tmp_path / "run"
     assert main(["train", "--config", str(RECIPES["adamw"]), "--init-from", str(folder), *data_args(world), *SHORT,
                  "--set", "train.max_steps=1", "--run-dir", str(run_dir)]) == 0

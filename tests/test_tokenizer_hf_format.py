@@ -166,10 +166,10 @@ def test_a_tokenizer_hf_cannot_hold_gets_no_hf_file(tmp_path):
     vocab = {i: bytes([i]) for i in range(256)} | {256: b" x"}
     also_merged = Tokenizer(vocab, [(b" ", b"x")], [" x"])  # the special is id 256, which " " + "x" makes
     with pytest.raises(FormatCannotHold, match="special token ' x': merge #0 uses or makes its bytes"):
-        write_hf_tokenizer(tmp_path, also_merged.vocab, also_merged.merges, also_merged.special_tokens)
+        write_hf_tokenizer(tmp_path, also_merged)
     tokenizer = Tokenizer(vocab, [(b" ", b"x")], ["\u0120x"])  # "Ġx": how HF spells the bytes " x"
     with pytest.raises(FormatCannotHold, match="ids 256 and 257: both are spelled 'Ġx'"):
-        write_hf_tokenizer(tmp_path, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens)
+        write_hf_tokenizer(tmp_path, tokenizer)
     assert not list(tmp_path.iterdir())
     with pytest.warns(UserWarning, match="no tokenizer.json \\+ tokenizer_config.json written"):
         tokenizer.save(tmp_path / "tok")

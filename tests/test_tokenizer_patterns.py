@@ -398,7 +398,7 @@ def test_a_possessive_interval_gets_no_hf_file(training_file, tmp_path):
     with pytest.raises(FormatCannotHold):
         from scratchlm.tokenizer.formats.hf import hf_tokenizer_document
 
-        hf_tokenizer_document(vocab, merges, [], Pipeline(pattern))
+        hf_tokenizer_document(Tokenizer(vocab, merges, pipeline=Pipeline(pattern)))
 
 
 # ------------------------------------------------------------------------------------ encode paths that cut text

@@ -29,27 +29,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "transformers' AutoModelForCausalLM / AutoTokenizer load offline, "
                                                "as the first of Llama, Qwen2 and Qwen3 that expresses the model "
                                                "exactly, else as custom code (trust_remote_code=True).")
-    hf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
-    hf.add_argument("--out", required=True, type=Path, help="output folder")
-    hf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
-    hf.add_argument("--force", action="store_true", help="write into an existing folder that holds files")
-    hf.add_argument("--push-to-hub", metavar="OWNER/NAME",
-                    help="then upload the folder to this Hugging Face model repository, created when missing (token: "
-                         "HF_TOKEN or `hf auth login`; needs the [hub] extra)")
-    hf.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
-    hf.set_defaults(func=run_export_hf)
     gguf = export_formats.add_parser("gguf", help="one GGUF file for llama.cpp / ollama (llama, Qwen2, Qwen3)",
                                      description="Write the model and its tokenizer as one GGUF file that llama.cpp "
                                                  "loads, in the architecture `export hf` would choose (llama, qwen2 "
                                                  "or qwen3); a model llama.cpp cannot run is refused.")
-    gguf.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
-    gguf.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
+    exports = ((hf, "output folder", "write into an existing folder that holds files", run_export_hf),
+               (gguf, "the .gguf file to write", "replace an existing file", run_export_gguf))
+    for parser, out, force, handler in exports:
+        parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+        parser.add_argument("--out", required=True, type=Path, help=out)
+        parser.add_argument("--tokenizer", type=Path,
+                            help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
+        parser.add_argument("--force", action="store_true", help=force)
+        parser.set_defaults(func=handler)
+    hf.add_argument("--push-to-hub", metavar="OWNER/NAME",
+                    help="then upload the folder to this Hugging Face model repository, created when missing (token: "
+                         "HF_TOKEN or `hf auth login`; needs the [hub] extra)")
+    hf.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", dest="gguf_type",
                       help="weight type: f32 (default, exact), f16, or q8_0 (2-D weights quantised as llama.cpp "
                            "does; norms and biases stay f32)")
-    gguf.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the run's copy, RUN/tokenizer)")
-    gguf.add_argument("--force", action="store_true", help="replace an existing file")
-    gguf.set_defaults(func=run_export_gguf)
 
     imp = subparsers.add_parser("import", help="import a checkpoint from another format",
                                 description="Import a model from another ecosystem as a scratchlm run directory.")

@@ -139,13 +139,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     cfg = model.config
     ours = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
     hf = to_hf_state_dict(ours, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
-    names = gguf.get_tensor_name_map(model_arch(arch), cfg.num_layers)
-    tensors = {}
-    for hf_name, tensor in hf.items():
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:  # a bug, not the user's: every name compat/hf.py writes has a GGUF name
-            raise AssertionError(f"no GGUF name for {hf_name}")
-        tensors[gguf_name] = tensor.numpy()
+    names = gguf_names(arch, cfg.num_layers, hf)
+    tensors = {names[hf_name]: tensor.numpy() for hf_name, tensor in hf.items()}
     scaling = Llama3Scaling.of(cfg)
     if scaling is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
@@ -162,11 +157,16 @@ def rope_freqs(theta: float, head_dim: int, scaling) -> torch.Tensor:
     return inv_freq / scaling(inv_freq)
 
 
-def model_arch(arch: str):
-    """The `gguf` package's MODEL_ARCH of llama.cpp's architecture name."""
+def gguf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:
+    """{Hugging Face name: llama.cpp name} of each of `hf_names` in the `arch` graph, by the `gguf` package's table."""
     import gguf
 
-    return next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
+    model_arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
+    table = gguf.get_tensor_name_map(model_arch, num_layers)
+    names = {name: table.get_name(name, try_suffixes=(".weight", ".bias")) for name in hf_names}
+    if None in names.values():  # a bug, not the user's: every name compat/hf.py writes has a GGUF name
+        raise AssertionError(f"no GGUF name for {[name for name, found in names.items() if found is None]}")
+    return names
 
 
 def _encoded(array: np.ndarray, gguf_type: str) -> tuple[np.ndarray, object]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scratchlm.compat.gguf_export import KEY_IGNORE_MERGES, KEY_LLAMA3, KEY_NFC, PRE_TOKENIZERS
+from scratchlm.compat.gguf_export import KEY_IGNORE_MERGES, KEY_LLAMA3, KEY_NFC, PRE_TOKENIZERS, gguf_names
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ def read_gguf(path: Path, *, max_gib: float, dtype: torch.dtype | None = None):
     import torch
 
     from scratchlm.compat.hf import from_hf_state_dict
-    from scratchlm.compat.hf_import import check_weights_floor, expected_hf_tensors
+    from scratchlm.compat.hf_import import check_tensors, check_weights_floor, expected_hf_tensors
     from scratchlm.model import TransformerLM
     from scratchlm.train.checkpoint_state import load_model_state
 
@@ -52,8 +52,10 @@ def read_gguf(path: Path, *, max_gib: float, dtype: torch.dtype | None = None):
     cfg = _model_config(fields, arch, tensors, path)
     check_weights_floor(path, cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff, max_gib, dtype)
     expected = expected_hf_tensors(cfg, path, max_gib, dtype)
-    to_gguf = _gguf_names(arch, cfg.num_layers, expected)
-    _check_tensors(tensors, {to_gguf[name]: shape for name, shape in expected.items()}, path)
+    to_gguf = gguf_names(arch, cfg.num_layers, expected)
+    found = {name: (path, _shape(tensor), tensor.tensor_type.name) for name, tensor in tensors.items()}
+    check_tensors(found, {to_gguf[name]: shape for name, shape in expected.items()}, READABLE_TYPES,
+                  where=str(path), source="the header", spare={"rope_freqs.weight"})
     hf = {name: _read_tensor(tensors[to_gguf[name]], path) for name in expected}
     state = from_hf_state_dict(hf, cfg, rope_halves=arch != "llama")  # llama.cpp's llama graph pairs rows as we do
     model = TransformerLM(cfg, dtype=dtype)
@@ -194,33 +196,9 @@ def _llama3_fields(fields: _Fields, tensor, options: dict, path: Path) -> dict:
     return {"rope_scaling": "llama3", **fields_}
 
 
-def _gguf_names(arch: str, num_layers: int, expected: dict) -> dict[str, str]:
-    """{Hugging Face name: GGUF name} of every tensor in `expected`, by the `gguf` package's table."""
-    import gguf
-
-    from scratchlm.compat.gguf_export import model_arch
-
-    names = gguf.get_tensor_name_map(model_arch(arch), num_layers)
-    return {name: names.get_name(name, try_suffixes=(".weight", ".bias")) for name in expected}
-
-
-def _check_tensors(tensors: dict, expected: dict[str, tuple], path: Path) -> None:
-    """Every expected tensor is there with its shape and a type we read; nothing else is there."""
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"{path}: lacks tensor {name!r} that its header's model needs "
-                             f"({len(set(expected) - set(tensors))} missing)")
-        tensor = tensors[name]
-        found = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dimension first
-        if found != tuple(shape):
-            raise ValueError(f"{path}: tensor {name!r} has shape {found} but the header implies {tuple(shape)}")
-        if tensor.tensor_type.name not in READABLE_TYPES:
-            raise ValueError(f"{path}: tensor {name!r} is {tensor.tensor_type.name}; we read "
-                             f"{', '.join(READABLE_TYPES)}")
-    unused = sorted(set(tensors) - set(expected) - {"rope_freqs.weight"})
-    if unused:
-        raise ValueError(f"{path}: holds {len(unused)} tensors this model has no place for, e.g. {unused[:3]} "
-                         f"(importing would drop them)")
+def _shape(tensor) -> tuple[int, ...]:
+    """A tensor's shape in numpy's (row-major) order: GGUF lists the fastest dimension first."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
 def _read_tensor(tensor, path: Path) -> torch.Tensor:
@@ -229,10 +207,9 @@ def _read_tensor(tensor, path: Path) -> torch.Tensor:
     import torch
     from gguf import quants
 
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     try:
         with np.errstate(all="ignore"):  # a damaged scale gives inf/NaN: refused below, by name
-            values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+            values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(_shape(tensor))
     except (ValueError, NotImplementedError) as error:
         raise ValueError(f"{path}: tensor {tensor.name!r} cannot be read ({error})") from None
     values = np.array(values, dtype=np.float32)  # a copy: the reader's arrays map the file
@@ -247,7 +224,7 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
     from gguf import TokenType
 
     from scratchlm.tokenizer import Tokenizer
-    from scratchlm.tokenizer.formats.io import from_gpt2_string
+    from scratchlm.tokenizer.formats.io import from_gpt2_merge, from_gpt2_string
     from scratchlm.tokenizer.pipeline import Pipeline
 
     model = fields.get("tokenizer.ggml.model", str, required=False)
@@ -277,12 +254,8 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
         elif kind != TokenType.UNUSED:
             raise UnsupportedGGUFTokenizer(f"token {token_id} {text!r} has type {kind} (byte-level BPE has normal, "
                                            f"control, user-defined and unused tokens)")
-    pairs = []
-    for rank, merge in enumerate(merges):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"{fields.path}: tokenizer.ggml.merges[{rank}]={_short(merge)} is not 'left right'")
-        pairs.append(tuple(from_gpt2_string(part, f"{fields.path}: tokenizer.ggml.merges[{rank}]") for part in parts))
+    pairs = [from_gpt2_merge(merge, f"{fields.path}: tokenizer.ggml.merges[{rank}]")
+             for rank, merge in enumerate(merges)]
     ignore_merges = fields.get(KEY_IGNORE_MERGES, bool, required=False)  # our export says; else llama.cpp's rule
     pipeline = Pipeline(pattern, nfc=fields.get(KEY_NFC, bool, False),
                         ignore_merges=ignores_merges if ignore_merges is None else ignore_merges)

@@ -22,13 +22,12 @@ AUTO_MAP = {"AutoConfig": "configuration_scratchlm.ScratchLMConfig",
 
 
 def export_custom_code(model, tokenizer, out: Path) -> None:
-    """Write `model` (a TransformerLM) and `tokenizer` as a custom-code Hugging Face folder `out` (module docstring)."""
+    """Write `model` (a TransformerLM) and `tokenizer` (which export_hf has checked fits it) as a custom-code
+    Hugging Face folder `out` (module docstring)."""
     from scratchlm.compat.hf_export import write_weights_and_tokenizer
     from scratchlm.write_errors import made_folder, naming
 
     cfg = model.config
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
     state = model.state_dict()
     if cfg.tie_embeddings:  # one tensor under two names: safetensors stores it once, as the modeling file reads it
         del state["lm_head.weight"]

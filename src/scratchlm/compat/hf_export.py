@@ -54,8 +54,7 @@ def write_weights_and_tokenizer(out: Path, state: dict, tokenizer) -> None:
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
     with naming(out / "model.safetensors", sum(t.numel() * t.element_size() for t in tensors.values())):
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_hf_tokenizer(out, tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, tokenizer.pipeline,
-                       added_token_flags=tokenizer.added_token_flags, chat_template=tokenizer.chat_template)
+    write_hf_tokenizer(out, tokenizer)
     if tokenizer.end_of_turn_ids:
         eos = tokenizer.end_of_text_id
         stops = list(dict.fromkeys([*tokenizer.end_of_turn_ids, *([eos] if eos is not None else [])]))

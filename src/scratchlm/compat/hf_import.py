@@ -15,6 +15,7 @@ problem is a ValueError (or FileNotFoundError) naming the file.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: t
     from safetensors.torch import load_file
 
     from scratchlm.compat.hf import from_hf_state_dict
+    from scratchlm.compat.safetensors_header import FLOAT_DTYPES
     from scratchlm.model import TransformerLM
     from scratchlm.train.checkpoint_state import load_model_state
 
@@ -57,7 +59,10 @@ def read_hf_model(model_dir: Path, *, max_gib: float = DEFAULT_MAX_GIB, dtype: t
     expected = expected_hf_tensors(cfg, model_dir / "config.json", max_gib, dtype)
     shards = _shard_files(model_dir)
     declared = _declared_tensors(shards)
-    _check_declared(declared, expected, cfg, where=", ".join(str(shard) for shard in shards))
+    if cfg.tie_embeddings and "lm_head.weight" in declared:  # a separate head: checked as the embedding's twin
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    check_tensors(declared, expected, FLOAT_DTYPES, where=", ".join(str(shard) for shard in shards),
+                  source="config.json", spare={name for name in declared if name.endswith(_IGNORED_SUFFIXES)})
     tensors = {}
     for shard in shards:
         try:
@@ -200,7 +205,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
 
 
 def _declared_tensors(shards: list[Path]) -> dict:
-    """{tensor name: (shard, TensorEntry)} over all shards; a name in two shards is an error."""
+    """{tensor name: (shard, shape, dtype)} over all shards; a name in two shards is an error."""
     from scratchlm.compat.safetensors_header import read_safetensors_header
 
     declared = {}
@@ -208,35 +213,28 @@ def _declared_tensors(shards: list[Path]) -> dict:
         for name, entry in read_safetensors_header(shard).items():
             if name in declared:
                 raise ValueError(f"{shard}: tensor {name!r} is also in {declared[name][0]}")
-            declared[name] = (shard, entry)
+            declared[name] = (shard, entry.shape, entry.dtype)
     return declared
 
 
-def _check_declared(declared: dict, expected: dict, cfg, where: str) -> None:
-    """Every expected tensor is declared with its shape and a float dtype; nothing is declared that would be lost."""
-    from scratchlm.compat.safetensors_header import FLOAT_DTYPES
-
+def check_tensors(found: dict, expected: dict, readable: Collection[str], *, where: str, source: str,
+                  spare: Collection[str] = ()) -> None:
+    """Every tensor of `expected` ({name: shape}, as `source` implies) is in `found` ({name: (file, shape, type)})
+    with that shape and a type in `readable`; nothing else is but the `spare` names (importing would drop it).
+    `where` names the files a missing tensor is not in."""
     for name, shape in expected.items():
-        if name not in declared:
-            raise ValueError(f"{where} lack tensor {name!r} that config.json's model needs "
-                             f"({len(set(expected) - set(declared))} missing)")
-        shard, entry = declared[name]
-        if entry.shape != shape:
-            raise ValueError(f"{shard}: tensor {name!r} has shape {entry.shape} but config.json implies {shape}")
-        if entry.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{shard}: tensor {name!r} is {entry.dtype}; weights must be one of "
-                             f"{sorted(FLOAT_DTYPES)}")
-    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unused = sorted(name for name in set(declared) - set(expected) - tied_head
-                    if not name.endswith(_IGNORED_SUFFIXES))
+        if name not in found:
+            raise ValueError(f"{where}: no tensor {name!r}, which {source}'s model needs "
+                             f"({len(set(expected) - set(found))} missing)")
+        file, found_shape, kind = found[name]
+        if found_shape != shape:
+            raise ValueError(f"{file}: tensor {name!r} has shape {found_shape} but {source} implies {shape}")
+        if kind not in readable:
+            raise ValueError(f"{file}: tensor {name!r} is {kind}; we read {', '.join(sorted(readable))}")
+    unused = sorted(set(found) - set(expected) - set(spare))
     if unused:
-        raise ValueError(f"{declared[unused[0]][0]}: holds {len(unused)} tensors a model of this config has no "
-                         f"place for, e.g. {unused[:3]} (importing would drop them)")
-    if "lm_head.weight" in tied_head & set(declared):
-        shard, entry = declared["lm_head.weight"]
-        if entry.shape != expected["model.embed_tokens.weight"]:
-            raise ValueError(f"{shard}: config.json ties the embeddings but lm_head.weight has shape {entry.shape}, "
-                             f"model.embed_tokens.weight {expected['model.embed_tokens.weight']}")
+        raise ValueError(f"{found[unused[0]][0]}: holds {len(unused)} tensors {source}'s model has no place for, "
+                         f"e.g. {unused[:3]} (importing would drop them)")
 
 
 def _check_tied_head(tensors: dict, declared: dict) -> None:

@@ -122,9 +122,7 @@ class Tokenizer:
         ``vocab.json`` + ``merges.txt`` into directory (a format that cannot hold this tokenizer is left out)."""
         from scratchlm.tokenizer.formats.folder import write_tokenizer_dir
 
-        return write_tokenizer_dir(directory, self.vocab, self.merges, self.special_tokens, self.pipeline,
-                                   added_token_flags=self.added_token_flags,
-                                   chat=(self.chat_template, self.end_of_turn_ids))
+        return write_tokenizer_dir(directory, self)
 
     # ------------------------------------------------------------------ chat
     def with_chat_template(self, template: ChatTemplate | str, *, end_of_turn: Iterable[str | int] = (),

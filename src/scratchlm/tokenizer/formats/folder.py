@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scratchlm.tokenizer.formats.hf import (
     HF_CONFIG_FILE,
@@ -47,6 +48,9 @@ from scratchlm.tokenizer.formats.io import (
 )
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import made_folder
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 # what every reader returns: vocab, merges, special tokens, pipeline, added-token flags, (chat template, end of turn)
 TokenizerParts = tuple[Vocab, Merges, list[str], Pipeline, FlagsByToken, ChatParts]
@@ -102,24 +106,19 @@ def _parse_single_file(document: object, path: Path) -> TokenizerParts:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_tokenizer_dir(directory: str | Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                        pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
-                        chat: ChatParts = NO_CHAT) -> Path:
-    """Write the three formats into directory (created if needed); returns it.
+def write_tokenizer_dir(directory: str | Path, tokenizer: Tokenizer) -> Path:
+    """Write the three formats of `tokenizer` into directory (created if needed); returns it.
 
     scratchlm-tokenizer.json is written first: it is what ``load`` reads first, so a failure while writing the
     others never leaves a folder that loads as another tokenizer (the GPT-2 pair alone has no special tokens).
     """
     with made_folder(directory) as directory:
-        write_scratchlm_file(directory / SCRATCHLM_FILE, vocab, merges, special_tokens, pipeline,
-                             added_token_flags=added_token_flags, chat=chat)
+        write_scratchlm_file(directory / SCRATCHLM_FILE, tokenizer)
         _write_unless_it_cannot_hold(directory, (HF_TOKENIZER_FILE, HF_CONFIG_FILE),
-                                     lambda: write_hf_tokenizer(directory, vocab, merges, special_tokens, pipeline,
-                                                                added_token_flags=added_token_flags,
-                                                                chat_template=chat[0]))
-        if pipeline == GPT2_PIPELINE:
+                                     lambda: write_hf_tokenizer(directory, tokenizer))
+        if tokenizer.pipeline == GPT2_PIPELINE:
             _write_unless_it_cannot_hold(directory, (GPT2_VOCAB_FILE, GPT2_MERGES_FILE),
-                                         lambda: write_gpt2_files(directory, vocab, merges))
+                                         lambda: write_gpt2_files(directory, tokenizer.vocab, tokenizer.merges))
         else:
             for name in (GPT2_VOCAB_FILE, GPT2_MERGES_FILE):
                 (directory / name).unlink(missing_ok=True)

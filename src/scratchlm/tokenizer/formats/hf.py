@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
 from scratchlm.tokenizer.formats.io import (
@@ -38,14 +39,18 @@ from scratchlm.tokenizer.formats.io import (
     FormatCannotHold,
     Merges,
     Vocab,
+    check_token_ids,
     from_gpt2_string,
     invert_vocab,
     read_json,
     to_gpt2_string,
     write_atomic,
 )
-from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
+from scratchlm.tokenizer.pipeline import Pipeline
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN
+
+if TYPE_CHECKING:
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
@@ -59,32 +64,31 @@ class UnsupportedHFTokenizer(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_hf_tokenizer(directory: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                       pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
-                       chat_template: ChatTemplate | None = None) -> None:
+def write_hf_tokenizer(directory: Path, tokenizer: Tokenizer) -> None:
     """tokenizer.json + tokenizer_config.json in directory; FormatCannotHold (before writing) when no tokenizer.json
     encodes exactly as this tokenizer does."""
-    document = hf_tokenizer_document(vocab, merges, special_tokens, pipeline, added_token_flags=added_token_flags)
-    config = hf_tokenizer_config(special_tokens, chat_template)
+    document = hf_tokenizer_document(tokenizer)
+    config = hf_tokenizer_config(tokenizer)
     write_atomic(directory / HF_TOKENIZER_FILE, json.dumps(document, ensure_ascii=False, indent=2) + "\n")
     write_atomic(directory / HF_CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     (directory / HF_TEMPLATE_FILE).unlink(missing_ok=True)
 
 
-def hf_tokenizer_document(vocab: Vocab, merges: Merges, special_tokens: list[str],
-                          pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None) -> dict:
-    """The tokenizer.json of a byte-level BPE tokenizer (vocab as ``Tokenizer.vocab``: its specials included);
-    added_token_flags are the flags of those special tokens whose flags are not ``io.OURS``."""
-    special_ids = _special_ids(vocab, special_tokens)
+def hf_tokenizer_document(tokenizer: Tokenizer) -> dict:
+    """The tokenizer.json of a byte-level BPE tokenizer, its special tokens as added tokens with their flags."""
+    vocab, merges, pipeline = tokenizer.vocab, tokenizer.merges, tokenizer.pipeline
+    if len(invert_vocab(vocab)) < len(vocab):
+        raise FormatCannotHold("Hugging Face's tokenizer.json cannot hold two ids with the same bytes")
+    special_ids = {token: tokenizer.special_id(token) for token in tokenizer.special_tokens}
     _check_no_merge_spells_a_special(vocab, merges, special_ids)
-    flags = added_token_flags or {}
+    flags = tokenizer.added_token_flags
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": special_ids[token], "content": token, "single_word": False, "lstrip": False,
+        "added_tokens": [{"id": token_id, "content": token, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": flags.get(token, OURS).normalized,
-                          "special": flags.get(token, OURS).special} for token in special_tokens],
+                          "special": flags.get(token, OURS).special} for token, token_id in special_ids.items()],
         "normalizer": {"type": "NFC"} if pipeline.nfc else None,
         "pre_tokenizer": _hf_pre_tokenizer(pipeline.pattern),
         "post_processor": None,
@@ -109,28 +113,18 @@ def _hf_pre_tokenizer(pattern: str) -> dict:
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
 
 
-def hf_tokenizer_config(special_tokens: list[str], chat_template: ChatTemplate | None = None) -> dict:
+def hf_tokenizer_config(tokenizer: Tokenizer) -> dict:
     """tokenizer_config.json: the class AutoTokenizer builds (4.x and 5.x know this name), the end-of-text token,
     and no clean-up of spaces in decode (which would change the text: ``" ."`` -> ``"."``). With a chat template:
     the template and its named tokens (which then give the end-of-text token), so that transformers renders the
     template with the tokens we render it with."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    if chat_template is not None:
-        config.update(chat_template.named_tokens)
-        config["chat_template"] = chat_template.source
-    elif EOS_TOKEN in special_tokens:
+    if tokenizer.chat_template is not None:
+        config.update(tokenizer.chat_template.named_tokens)
+        config["chat_template"] = tokenizer.chat_template.source
+    elif EOS_TOKEN in tokenizer.special_tokens:
         config["eos_token"] = EOS_TOKEN
     return config
-
-
-def _special_ids(vocab: Vocab, special_tokens: list[str]) -> dict[str, int]:
-    ids = invert_vocab(vocab)
-    if len(ids) < len(vocab):
-        raise FormatCannotHold("Hugging Face's tokenizer.json cannot hold two ids with the same bytes")
-    missing = next((token for token in special_tokens if token.encode("utf-8") not in ids), None)
-    if missing is not None:
-        raise ValueError(f"special token {missing!r} is not in the vocab")
-    return {token: ids[token.encode("utf-8")] for token in special_tokens}
 
 
 def _check_no_merge_spells_a_special(vocab: Vocab, merges: Merges, special_ids: dict[str, int]) -> None:
@@ -327,13 +321,7 @@ def _read_vocab(model: dict, path: Path) -> dict[str, int]:
     hf_vocab = model.get("vocab")
     if not isinstance(hf_vocab, dict):
         raise _unreadable(path, "model.vocab is missing or not an object")
-    holders: dict[int, str] = {}
-    for text, token_id in hf_vocab.items():
-        if type(token_id) is not int or token_id < 0:
-            raise _unreadable(path, f"vocab token {text!r} has id {token_id!r}, not a non-negative integer")
-        if token_id in holders:
-            raise _unreadable(path, f"id {token_id} is given to both {holders[token_id]!r} and {text!r}")
-        holders[token_id] = text
+    check_token_ids(hf_vocab, path)
     return hf_vocab
 
 

@@ -30,10 +30,14 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scratchlm.tokenizer.chat_template import NAMED_TOKENS, ChatTemplate
 from scratchlm.tokenizer.pipeline import GPT2_PIPELINE, Pipeline
 from scratchlm.write_errors import naming
+
+if TYPE_CHECKING:  # the writers take a Tokenizer, which is built from what the readers return
+    from scratchlm.tokenizer.tokenizer import Tokenizer
 
 FORMAT_VERSION = 2  # for GPT-2's pipeline; PIPELINE_FORMAT_VERSION for any other
 PIPELINE_FORMAT_VERSION = 3
@@ -116,6 +120,14 @@ def from_gpt2_string(text: str, where: str) -> bytes:
     except UnicodeEncodeError:
         bad = next(char for char in text if char not in gpt2_bytes_to_unicode().values())
         raise ValueError(f"{where}: character {bad!r} in {text!r} is not in GPT-2's byte table") from None
+
+
+def from_gpt2_merge(merge: str, where: str) -> tuple[bytes, bytes]:
+    """The (left, right) bytes of a merge spelled ``"left right"`` in GPT-2's alphabet; an error names `where`."""
+    parts = merge.split(" ")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{where}: expected two tokens separated by one space, got {merge[:80]!r}")
+    return from_gpt2_string(parts[0], where), from_gpt2_string(parts[1], where)
 
 
 def invert_vocab(vocab: dict[int, bytes]) -> dict[bytes, int]:
@@ -275,15 +287,21 @@ def read_gpt2_files(vocab_path: str | Path, merges_path: str | Path) -> tuple[Vo
     document = read_json(vocab_path)
     if not isinstance(document, dict):
         raise ValueError(f"{vocab_path}: expected a JSON object mapping token strings to ids")
-    vocab: Vocab = {}
-    for text, token_id in document.items():
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise ValueError(f"{vocab_path}: token {text!r} has id {token_id!r}, expected a non-negative integer")
-        if token_id in vocab:
-            raise ValueError(f"{vocab_path}: id {token_id} is given to both {to_gpt2_string(vocab[token_id])!r} "
-                             f"and {text!r}")
-        vocab[token_id] = from_gpt2_string(text, f"{vocab_path}: token")
+    check_token_ids(document, vocab_path)
+    vocab = {token_id: from_gpt2_string(text, f"{vocab_path}: token") for text, token_id in document.items()}
     return vocab, _read_gpt2_merges(merges_path)
+
+
+def check_token_ids(vocab: dict, path: Path) -> None:
+    """Every id of a {token text: id} JSON object (vocab.json, a tokenizer.json's model.vocab) is a non-negative
+    integer that no other text has."""
+    holders: dict[int, str] = {}
+    for text, token_id in vocab.items():
+        if type(token_id) is not int or token_id < 0:
+            raise ValueError(f"{path}: token {text!r} has id {token_id!r}, expected a non-negative integer")
+        if token_id in holders:
+            raise ValueError(f"{path}: id {token_id} is given to both {holders[token_id]!r} and {text!r}")
+        holders[token_id] = text
 
 
 def _read_gpt2_merges(path: Path) -> Merges:
@@ -292,11 +310,7 @@ def _read_gpt2_merges(path: Path) -> Merges:
         line = line.rstrip("\r")
         if not line or (line_number == 1 and line.startswith("#version")):
             continue
-        parts = line.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise ValueError(f"{path}:{line_number}: expected two tokens separated by one space, got {line!r}")
-        where = f"{path}:{line_number}"
-        merges.append((from_gpt2_string(parts[0], where), from_gpt2_string(parts[1], where)))
+        merges.append(from_gpt2_merge(line, f"{path}:{line_number}"))
     return merges
 
 
@@ -319,36 +333,32 @@ def read_json(path: Path) -> object:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_scratchlm_file(path: Path, vocab: Vocab, merges: Merges, special_tokens: list[str],
-                         pipeline: Pipeline = GPT2_PIPELINE, *, added_token_flags: FlagsByToken | None = None,
-                         chat: ChatParts = NO_CHAT) -> None:
+def write_scratchlm_file(path: Path, tokenizer: Tokenizer) -> None:
     """scratchlm-tokenizer.json (version 2, or 3 for a pipeline other than GPT-2's) with one vocab entry and one
-    merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids; chat's
+    merge per line (json.dumps has no such layout); a merge's parts are written as their (smallest) ids; the chat
     template and end-of-turn ids as the module says."""
+    vocab, pipeline = tokenizer.vocab, tokenizer.pipeline
     ids = invert_vocab(vocab)
-    missing = next((part for pair in merges for part in pair if part not in ids), None)
-    if missing is not None:
-        raise ValueError(f"cannot write merges that use {missing!r}, which is not in the vocab")
     tokens = [vocab[i].hex() if i in vocab else None for i in range(max(vocab, default=-1) + 1)]
     vocab_lines = ",\n".join(map(json.dumps, tokens))
-    merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in merges)
+    merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in tokenizer.merges)
     version, tail = FORMAT_VERSION, ""
     if pipeline != GPT2_PIPELINE:
         version = PIPELINE_FORMAT_VERSION
         normalizer, ignore_merges = json.dumps("NFC" if pipeline.nfc else None), json.dumps(pipeline.ignore_merges)
         tail = (f',\n"pattern": {json.dumps(pipeline.pattern)},\n"normalizer": {normalizer},\n'
                     f'"ignore_merges": {ignore_merges}')
-    if added_token_flags:
+    if tokenizer.added_token_flags:
         flags = {token: {"special": flag.special, "normalized": flag.normalized}
-                 for token, flag in added_token_flags.items()}
+                 for token, flag in tokenizer.added_token_flags.items()}
         tail += f',\n"added_token_flags": {json.dumps(flags)}'
-    template, end_of_turn = chat
+    template = tokenizer.chat_template
     if template is not None:
         tail += f',\n"chat_template": {json.dumps({"source": template.source, **template.named_tokens})}'
-    if end_of_turn:
-        tail += f',\n"end_of_turn": {json.dumps(list(end_of_turn))}'
+    if tokenizer.end_of_turn_ids:
+        tail += f',\n"end_of_turn": {json.dumps(list(tokenizer.end_of_turn_ids))}'
     write_atomic(path, f'{{"format_version": {version},\n"vocab": [\n{vocab_lines}\n],\n'
-                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(list(special_tokens))}'
+                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(tokenizer.special_tokens)}'
                        f'{tail}}}\n')
 
 
