@@ -155,7 +155,9 @@ def plan_budget(config: RunConfig, train_tokens: np.ndarray,
 
 
 class BudgetClock:
-    """Budget time used so far: training time, plus evaluation/checkpoint time when the budget includes it.
+    """A training session's clock: its training seconds (the loop's throughput and train_time, the live plan's step
+    time) and the budget time used so far: training time, plus evaluation/checkpoint time when the budget
+    includes it. It runs with or without a budget.
 
     The loop brackets each evaluation/checkpoint with ``begin_pause``/``end_pause``; read during one (a
     checkpoint records the time used), the clock stands at the pause's start. ``clock`` is injectable so tests
