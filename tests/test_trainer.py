@@ -29,6 +29,7 @@ from scratchlm.data.token_file import write_token_file
 from scratchlm.errors import UserError
 from scratchlm.model import TransformerLM
 from scratchlm.train import trainer as trainer_module
+from scratchlm.train.budget import BudgetClock
 from scratchlm.train.metrics import MetricsLogger, truncate_records
 from scratchlm.train.setup import build_optimizer
 from scratchlm.train.step import DivergenceWatch, learning_rate, train_step
@@ -327,7 +328,8 @@ def test_throughput_after_resume_counts_only_the_steps_run_since(data, tmp_path:
         return train_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "train_step", one_second_step)
-    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(trainer_module, "BudgetClock",  # the loop's clock
+                        lambda config, used=0.0, started=None: BudgetClock(config, used=used, clock=lambda: clock.now))
     run_dir = tmp_path / "run"
     config = tiny_config(data, run_dir, "train.log_every=5", "train.checkpoint_every=3")
     train(config, quiet=True)

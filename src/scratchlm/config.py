@@ -69,31 +69,24 @@ class OptimConfig:
     muon_ns_dtype: str = "auto"  # muon: Newton-Schulz in bfloat16 | float32 | auto (float32 on CPU, else bfloat16)
 
     def __post_init__(self) -> None:
-        _require(self.optimizer in OPTIMIZERS, f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        _require(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _require_choices("optim", self, optimizer=OPTIMIZERS, schedule=SCHEDULES, decay_shape=DECAY_SHAPES,
+                         muon_adjust_lr=MUON_ADJUST_LR, muon_ns_dtype=MUON_NS_DTYPES)
+        for name in ("lr", "eps", "muon_lr"):
+            _require(getattr(self, name) > 0, f"optim.{name} must be positive, got {getattr(self, name)}")
         _require(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
         _require(self.warmup_iters >= 0, f"optim.warmup_iters must be >= 0, got {self.warmup_iters}")
-        _require(self.schedule in SCHEDULES, f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         _require(0 < self.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        _require(self.decay_shape in DECAY_SHAPES,
-                 f"optim.decay_shape must be one of {DECAY_SHAPES}, got {self.decay_shape!r}")
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas must each be in [0, 1), got {self.betas}")
-        _require(self.eps > 0, f"optim.eps must be positive, got {self.eps}")
         _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
         for name in ("embedding_lr", "head_lr"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"optim.{name} must be positive (or none: optim.lr), got {value}")
-        _require(self.muon_lr > 0, f"optim.muon_lr must be positive, got {self.muon_lr}")
         _require(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         try:
             re.compile(self.muon_params)
         except re.error as error:
             raise ValueError(f"optim.muon_params {self.muon_params!r} is not a regular expression: {error}") from None
-        _require(self.muon_ns_dtype in MUON_NS_DTYPES,
-                 f"optim.muon_ns_dtype must be one of {MUON_NS_DTYPES}, got {self.muon_ns_dtype!r}")
-        _require(self.muon_adjust_lr in MUON_ADJUST_LR,
-                 f"optim.muon_adjust_lr must be one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}")
 
 
 @dataclass
@@ -110,8 +103,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}")
-        _require(self.format in DATA_FORMATS, f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
-        _require(self.packing in PACKINGS, f"data.packing must be one of {PACKINGS}, got {self.packing!r}")
+        _require_choices("data", self, format=DATA_FORMATS, packing=PACKINGS)
         _require(0.0 <= self.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
@@ -148,8 +140,7 @@ class TrainConfig:
             _require(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
         # numpy's generators take only non-negative seeds: caught here, not at the first batch, naming the key.
         _require(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
-        _require(self.dtype in TRAIN_DTYPES, f"train.dtype must be one of {TRAIN_DTYPES}, got {self.dtype!r}")
-        _require(self.parallel in PARALLEL, f"train.parallel must be one of {PARALLEL}, got {self.parallel!r}")
+        _require_choices("train", self, dtype=TRAIN_DTYPES, parallel=PARALLEL)
         _require(bool(DEVICE_PATTERN.fullmatch(self.device)),  # fullmatch: $ alone would let "cpu\n" through
                  f"train.device must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")
@@ -353,7 +344,7 @@ def stated_values(overrides: list[str], section: str) -> dict[str, Any]:
 
 def parse_value(raw: str, annotation: Any, name: str) -> Any:
     """Parse a command-line string to ``annotation`` (int, float incl. 3e-3, bool, str, tuples, optionals)."""
-    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    options = _alternatives(annotation)
     if type(None) in options and raw.lower() in ("none", "null"):
         return None
     target = next(t for t in options if t is not type(None))
@@ -389,9 +380,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        return repr(value)  # repr round-trips the float exactly and is valid TOML (1e-05, 0.001, 10000.0)
+        return repr(value)  # round-trips the float exactly, in TOML's spelling (1e-05, 10000.0, inf, -inf, nan)
     if isinstance(value, tuple | list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
@@ -417,8 +406,7 @@ def _build_section(name: str, section_cls: type, table: dict[str, Any]) -> Any:
 
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
     """Check a TOML value against a field type; ints widen to floats and lists become tuples."""
-    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
-    for target in options:
+    for target in _alternatives(annotation):
         if target is type(None) and value is None:
             return None
         if typing.get_origin(target) is tuple and isinstance(value, list | tuple):
@@ -453,13 +441,15 @@ def _resolve_paths(values: dict[str, Any], folder: Path) -> None:
                 table[key] = str((folder / table[key]).resolve())
 
 
-def _is_union(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+def _alternatives(annotation: Any) -> tuple[Any, ...]:
+    """The types a field accepts: the members of a union (``int | None``), else the type itself."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return typing.get_args(annotation) if union else (annotation,)
 
 
 def _type_name(annotation: Any) -> str:
-    if _is_union(annotation):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if len(options := _alternatives(annotation)) > 1:
+        return " or ".join(_type_name(a) for a in options)
     if typing.get_origin(annotation) is tuple:
         return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(annotation))
     return "none" if annotation is type(None) else annotation.__name__
@@ -468,3 +458,10 @@ def _type_name(annotation: Any) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_choices(section: str, table: Any, **choices: tuple[str, ...]) -> None:
+    """Each named field of ``table`` (a section's dataclass) must be one of its choices."""
+    for name, allowed in choices.items():
+        value = getattr(table, name)
+        _require(value in allowed, f"{section}.{name} must be one of {allowed}, got {value!r}")

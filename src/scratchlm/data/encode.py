@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -193,20 +193,16 @@ def _is_alive(pid: int) -> bool:
 def _run_tasks(tokenizer: Tokenizer, tasks: list[_Task], workers: int, progress: bool,
                total_bytes: int) -> Iterator[_Task]:
     """Encode every task's range into its part file; yield the tasks in order as their parts are ready."""
-    bar = progress_bar(total_bytes, progress, unit="B", unit_scale=True, desc="encode")
-    try:
+    with closing(progress_bar(total_bytes, progress, unit="B", unit_scale=True, desc="encode")) as bar, \
+            ExitStack() as stack:
         if workers == 1 or len(tasks) == 1:
-            for task in tasks:
-                _encode_range(tokenizer, task)
-                bar.update(task.end - task.start)
-                yield task
-            return
-        with worker_pool(tokenizer, min(workers, len(tasks))) as pool:
-            for task in pool.map(partial(in_worker, _encode_range), tasks):
-                bar.update(task.end - task.start)
-                yield task
-    finally:
-        bar.close()
+            done = (_encode_range(tokenizer, task) for task in tasks)
+        else:
+            pool = stack.enter_context(worker_pool(tokenizer, min(workers, len(tasks))))
+            done = pool.map(partial(in_worker, _encode_range), tasks)
+        for task in done:
+            bar.update(task.end - task.start)
+            yield task
 
 
 def _encode_range(tokenizer: Tokenizer, task: _Task) -> _Task:

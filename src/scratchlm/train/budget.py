@@ -1,19 +1,16 @@
 """Training within a time budget: measure a step on this machine, then plan the steps that fill the budget.
 
-``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here". Before the
-run, ``plan_budget`` times a few real optimizer steps on the run's own tokens (after a warm-up step) and sets
-``train.max_steps`` so that training, plus its ``EVALUATIONS`` evaluations when ``train.budget_includes_eval``,
-fills the budget; the schedule's warm-up and decay are laid over exactly those steps. On a busy CPU one thread can
-beat the default count, so the probe tries both (``choose_threads``).
+``scratchlm train --budget 25m`` (``train.budget_seconds``) asks for "the best model in 25 minutes here".
+``plan_budget`` times a few real optimizer steps on the run's own tokens (``choose_threads``: on a busy CPU one
+thread can beat the default count) and sets ``train.max_steps`` so that training, plus its ``EVALUATIONS``
+evaluations when ``train.budget_includes_eval``, fills the budget; the schedule's warm-up and decay are laid over
+exactly those steps.
 
-The probe is a guess, so the run re-plans at every log step (``LivePlan``): the budget counts from the command's
-start (``BudgetClock``); the step time is the median of the last ``WINDOWS`` log windows (a compile or a hiccup
-moves nothing); ``max_steps`` becomes what fills ``REPLANNED_SHARE`` of the budget after a reserve for the
-evaluations to come; the decay follows the new end (not begun: it starts where the new total puts it; under way:
-frozen where it began and stretched from where it stands, ``optim.schedule.Replanned``), so the rate is continuous
-and reaches min_lr at the end. The first evaluation's measured cost sets how many more fit in ``EVAL_SHARE``.
-The live plan is saved in every checkpoint, so a resumed run carries on with it; a step that overruns the budget
-still ends the run through the final evaluation and checkpoint.
+The probe is a guess, so the run re-plans at every log step (``LivePlan``) on a ``BudgetClock`` that counts from the
+command's start: the step time is the median of the last ``WINDOWS`` log windows; ``max_steps`` fills
+``REPLANNED_SHARE`` of the budget after a reserve for the evaluations to come (their cadence set by the first one's
+measured cost, within ``EVAL_SHARE``); the decay follows the new end (``optim.schedule.Replanned``), so the rate is
+continuous and reaches min_lr at the end. The live plan is saved in every checkpoint, for a resume to carry on.
 """
 
 from __future__ import annotations
@@ -155,7 +152,9 @@ def plan_budget(config: RunConfig, train_tokens: np.ndarray,
 
 
 class BudgetClock:
-    """Budget time used so far: training time, plus evaluation/checkpoint time when the budget includes it.
+    """A training session's clock: its training seconds (the loop's throughput and train_time, the live plan's step
+    time) and the budget time used so far: training time, plus evaluation/checkpoint time when the budget
+    includes it. It runs with or without a budget.
 
     The loop brackets each evaluation/checkpoint with ``begin_pause``/``end_pause``; read during one (a
     checkpoint records the time used), the clock stands at the pause's start. ``clock`` is injectable so tests

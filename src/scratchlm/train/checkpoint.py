@@ -199,7 +199,19 @@ class CheckpointManager:
         temp = self.directory / f".tmp-{final.name}-{_writer_id()}"
         try:
             temp.mkdir()
-            self._write_files(temp, step, model, optimizer, config, sampler_state, extra, val_loss)
+            tensors, aliases = model_tensors(model)
+            _save_tensors(temp / "model.safetensors", tensors, {"aliases": json.dumps(aliases)})
+            optimizer_tensors, optimizer_rest = optimizer_parts(optimizer)
+            _save_tensors(temp / "optimizer.safetensors", optimizer_tensors)
+            _write_json(temp / "optimizer.json", optimizer_rest)
+            _write_json(temp / "config.json", run_relative(config, self.run_dir))  # the run may be moved
+            _write_json(temp / "rng.json", capture_rng_state())
+            _write_json(temp / "trainer.json", {"step": step, "val_loss": val_loss, "sampler_state": sampler_state,
+                                                "extra": extra})
+            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(temp.iterdir())}
+            _write_json(temp / META_FILE, {"format_version": FORMAT_VERSION,  # written last: the completeness mark
+                                           "scratchlm_version": scratchlm.__version__, "step": step,
+                                           "val_loss": val_loss, "files": files})
             _fsync_dir(temp)
             _replace_dir(temp, final)
             _fsync_dir(self.directory)
@@ -234,21 +246,6 @@ class CheckpointManager:
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)  # a best.json temporary of a crash inside _write_best
-
-    def _write_files(self, temp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     config: dict, sampler_state: dict, extra: dict | None, val_loss: float | None) -> None:
-        tensors, aliases = model_tensors(model)
-        _save_tensors(temp / "model.safetensors", tensors, {"aliases": json.dumps(aliases)})
-        optimizer_tensors, optimizer_rest = optimizer_parts(optimizer)
-        _save_tensors(temp / "optimizer.safetensors", optimizer_tensors)
-        _write_json(temp / "optimizer.json", optimizer_rest)
-        _write_json(temp / "config.json", run_relative(config, self.run_dir))  # the run may be moved
-        _write_json(temp / "rng.json", capture_rng_state())
-        _write_json(temp / "trainer.json", {"step": step, "val_loss": val_loss, "sampler_state": sampler_state,
-                                            "extra": extra})
-        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(temp.iterdir())}
-        _write_json(temp / META_FILE, {"format_version": FORMAT_VERSION, "scratchlm_version": scratchlm.__version__,
-                                       "step": step, "val_loss": val_loss, "files": files})  # written last
 
     def _update_best(self, path: Path, step: int, val_loss: float | None) -> None:
         best = self._best_record()
@@ -375,31 +372,28 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
     """(TransformerLM in eval mode, RunConfig) from a run directory (newest valid checkpoint) or a checkpoint.
 
     A save in progress in that run is waited for (briefly), and none prunes the chosen checkpoint while it loads."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no run or checkpoint directory at {path}")
-    with run_lock.reading(path.parent if (path / META_FILE).exists() else path / "checkpoints"):
-        return _load_for_inference(path, device)
-
-
-def _load_for_inference(path: Path, device: str | torch.device):
     from scratchlm.config import RunConfig
     from scratchlm.model import TransformerLM
 
-    if not (path / META_FILE).exists():
-        if not (path / "checkpoints").is_dir():
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run or checkpoint directory at {path}")
+    is_checkpoint = (path / META_FILE).exists()
+    with run_lock.reading(path.parent if is_checkpoint else path / "checkpoints"):
+        if is_checkpoint:
+            if (problem := verify(path)) is not None:
+                raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+        elif not (path / "checkpoints").is_dir():
             raise FileNotFoundError(f"{path} is neither a checkpoint directory (no {META_FILE}) nor a run "
                                     f"directory (no checkpoints/)")
-        found = CheckpointManager(path).latest_valid()
-        if found is None:
+        elif (found := CheckpointManager(path).latest_valid()) is None:
             raise FileNotFoundError(f"run directory {path} has no valid checkpoint in {path / 'checkpoints'}")
-        path = found
-    elif (problem := verify(path)) is not None:
-        raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
-    config = RunConfig.from_dict(located_at(_read_json(path / "config.json"), run_dir_of(path)))
-    model = TransformerLM(config.model, device=device)
-    load_model_state(model, read_model_tensors(path / "model.safetensors"), where=str(path))
-    return model.eval(), config
+        else:
+            path = found
+        config = RunConfig.from_dict(located_at(_read_json(path / "config.json"), run_dir_of(path)))
+        model = TransformerLM(config.model, device=device)
+        load_model_state(model, read_model_tensors(path / "model.safetensors"), where=str(path))
+        return model.eval(), config
 
 
 def run_dir_of(path: str | os.PathLike) -> Path:

@@ -110,16 +110,12 @@ def teardown(*, clean: bool = True) -> None:
         return
     if clean:
         dist.barrier()
-        if _store is not None:
-            _wait_until_every_rank_left_the_barrier(_store)
+        if _store is not None:  # every rank says it has left the barrier, then waits for all to have
+            left = [f"scratchlm/teardown/rank{rank}" for rank in range(dist.get_world_size())]
+            _store.set(left[dist.get_rank()], "1")
+            _store.wait(left)
     dist.destroy_process_group()
     _store = None
-
-
-def _wait_until_every_rank_left_the_barrier(store: dist.Store) -> None:
-    done = [f"scratchlm/teardown/rank{rank}" for rank in range(dist.get_world_size())]
-    store.set(done[dist.get_rank()], "1")
-    store.wait(done)
 
 
 @contextlib.contextmanager

@@ -151,54 +151,45 @@ def train(config: RunConfig, *, resume: bool = False, quiet: bool = False,
     run = resolve_run(config, resume=resume, device=device, world_size=world_size, model_overrides=model_overrides,
                       force_memory=force_memory, quiet=quiet or not is_main_process, saved=saved, started=started,
                       data=data)
-    default_threads = torch.get_num_threads()
-    if run.config.train.threads is not None:
-        torch.set_num_threads(run.config.train.threads)
-    try:
-        return _train(run, quiet, wrap, device, rank, world_size, started)
-    finally:
-        torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
-
-
-def _train(run: ResolvedRun, quiet: bool, wrap: Callable[[nn.Module, RunConfig], nn.Module],
-           device: torch.device, rank: int, world_size: int, started: float) -> TrainResult:
-    is_main_process = rank == 0
     config = run.config
-    run_dir = Path(config.train.run_dir)
-    raw_model = build_model(config, device)
-    optimizer = build_optimizer(raw_model, config)
-    if run.data is not None:
-        sampler = run.data.sampler(config, device, rank, world_size)
-    else:
-        sampler = BatchSampler(run.train_tokens, config.micro_batch_size, config.model.context_length, device,
-                               seed=config.train.seed, rank=rank, world_size=world_size)
-    checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
-    state = LoopState()
-    match run.start:
-        case Resume(checkpoint=path):
-            state = _restore(checkpoints, path, raw_model, optimizer, sampler)
-        case InitFrom(source=source):
-            source.load_into(raw_model)  # after build_model's seeded init: the RNG stands where a scratch run's does
-    if is_main_process:
-        truncate_records(run_dir / METRICS_FILE, state.step)
-        config = keep_tokenizer_copy(config, run.tokenizer, run_dir)  # data.tokenizer names RUN/tokenizer now
-        config.save_toml(run_dir / CONFIG_FILE)  # its paths relative to the run: the run can be moved
-    model = wrap(raw_model, config)
-    # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
-    optimizer = distributed.optimizer_for(model, optimizer, lambda: build_optimizer(raw_model, config))
+    default_threads = torch.get_num_threads()
+    if config.train.threads is not None:
+        torch.set_num_threads(config.train.threads)
     logger = None
-    if is_main_process:
-        logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
-                               wandb_project=config.train.wandb_project if config.train.wandb else None,
-                               wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
-    loop = _Loop(run, config, model, raw_model, optimizer, sampler, checkpoints, logger, state, device, world_size,
-                 quiet, started)
     try:
+        raw_model = build_model(config, device)
+        optimizer = build_optimizer(raw_model, config)
+        if run.data is not None:
+            sampler = run.data.sampler(config, device, rank, world_size)
+        else:
+            sampler = BatchSampler(run.train_tokens, config.micro_batch_size, config.model.context_length, device,
+                                   seed=config.train.seed, rank=rank, world_size=world_size)
+        checkpoints = CheckpointManager(run_dir, keep_last=config.train.keep_last)
+        state = LoopState()
+        match run.start:
+            case Resume(checkpoint=path):
+                state = _restore(checkpoints, path, raw_model, optimizer, sampler)
+            case InitFrom(source=source):
+                source.load_into(raw_model)  # after build_model's seeded init: the RNG is where a scratch run's is
+        if is_main_process:
+            truncate_records(run_dir / METRICS_FILE, state.step)
+            config = keep_tokenizer_copy(config, run.tokenizer, run_dir)  # data.tokenizer names RUN/tokenizer now
+            config.save_toml(run_dir / CONFIG_FILE)  # its paths relative to the run: the run can be moved
+        model = wrap(raw_model, config)
+        # FSDP2 replaces the parameters: move the (restored) optimizer state onto the sharded ones.
+        optimizer = distributed.optimizer_for(model, optimizer, lambda: build_optimizer(raw_model, config))
+        if is_main_process:
+            logger = MetricsLogger(run_dir, total_steps=config.train.max_steps, start_step=state.step, quiet=quiet,
+                                   wandb_project=config.train.wandb_project if config.train.wandb else None,
+                                   wandb_config=config.to_dict(), tensorboard=config.train.tensorboard)
+        loop = _Loop(run, config, model, raw_model, optimizer, sampler, checkpoints, logger, state, device,
+                     world_size, quiet, started)
         with StopRequest() as stop:
             return loop.run(stop)
     finally:
         if logger is not None:
             logger.close()
+        torch.set_num_threads(default_threads)  # callers (the demo, tests) keep their own setting
 
 
 def _restore(checkpoints: CheckpointManager, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -243,11 +234,8 @@ class _Loop:
         cfg = self.config.train
         self.start_step, self.start_wall, self.start_train_time = self.state.step, self.state.wall_time, \
             self.state.train_time
-        self.session_start = self.window_start = time.perf_counter()
         # The throughput window starts here even when the restored loss window holds steps from before the resume.
-        self.window_start_step = self.state.step
-        self.paused = self.session_paused = 0.0  # eval/checkpoint/plot time, left out of tokens/s
-        self.pause_start: float | None = None  # while evaluating or checkpointing
+        self.window_start_step, self.window_start = self.state.step, self.budget.training_seconds()
         status, message = "finished", ""
         if self.live is not None:
             self.live.begin_session(self.state.step, self.budget)
@@ -315,32 +303,28 @@ class _Loop:
         return log and distributed.any_rank(wanted, self.device)
 
     def _paused(self, work: Callable[[], T]) -> T:
-        self.pause_start = time.perf_counter()
+        """``work()`` (an evaluation, a checkpoint), its time left out of the training time (self.budget)."""
         self.budget.begin_pause()
         result = work()
-        seconds = time.perf_counter() - self.pause_start
-        self.paused += seconds
-        self.session_paused += seconds
-        self.pause_start = None
         self.budget.end_pause()
         return result
 
     def _wall_time(self) -> float:
-        return self.start_wall + time.perf_counter() - self.session_start
+        return self.start_wall + self.budget.clock() - self.budget.session_start
 
     def _train_time(self) -> float:
         """Training seconds so far, across resumes, without evaluations and checkpoints (read during one, the time
         at its start)."""
-        now = self.pause_start if self.pause_start is not None else time.perf_counter()
-        return self.start_train_time + now - self.session_start - self.session_paused
+        return self.start_train_time + self.budget.training_seconds()
 
     def _log_train(self, lr: float, grad_norm: torch.Tensor) -> None:
         loss = (distributed.mean_across_ranks(self.window_loss) / self.state.window_steps).item()
-        seconds = max(time.perf_counter() - self.window_start - self.paused, 1e-9)
+        now = self.budget.training_seconds()
+        seconds = max(now - self.window_start, 1e-9)
         steps = self.state.step - self.window_start_step
         self.state.last_train_loss = loss
         self.window_loss, self.state.window_steps = torch.zeros((), device=self.device), 0
-        self.window_start, self.window_start_step, self.paused = time.perf_counter(), self.state.step, 0.0
+        self.window_start, self.window_start_step = now, self.state.step
         if self.logger is None:
             return
         mfu = steps * self.step_flops / seconds / self.peak_flops if self.peak_flops else None
@@ -412,7 +396,7 @@ class _Loop:
 
     def _finish(self, status: str, message: str) -> TrainResult:
         trained = (self.state.step - self.start_step) * self.tokens_per_step
-        seconds = time.perf_counter() - self.session_start - self.session_paused
+        seconds = self.budget.training_seconds()
         if self.logger is not None:
             self.logger.log({"kind": "end", "step": self.state.step, "status": status, "message": message})
             self._plot()
