@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
 from scratchlm.model.kernels import decode_step
+from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import linear
 from scratchlm.model.transformer import TransformerLM
@@ -183,22 +184,14 @@ class _ExportedStep(nn.Module):
                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         return self.step.step(ids[:, None], _LibraryCache(positions, key_padding, keys, values))
 
-    @contextmanager
-    def traceable(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    def traceable(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
         """While traced: every product of the step as `product(x, weight)`, and RoPE's readable rotation, which
         inductor fuses into the step's loops (the complex one that decoding installs, complex_rope.py, has no C++
         kernel in the library and goes back to ATen). What was installed comes back after."""
         hooks = [(linear_, "matmul", product) for linear_ in self.fused]
         hooks += [(rope, "rotate", rotate_pairs) for rope in self.model.modules()
                   if isinstance(rope, RotaryPositionalEmbedding)]
-        saved = [(module, name, getattr(module, name)) for module, name, _ in hooks]
-        for module, name, value in hooks:
-            setattr(module, name, value)
-        try:
-            yield
-        finally:
-            for module, name, value in saved:
-                setattr(module, name, value)
+        return swapped(hooks)
 
 
 def _summed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
