@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scratchlm.errors import UserError
+from scratchlm.generate.decoding import default_max_new_tokens
 from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve import protocol
 from scratchlm.serve.commands import Limits
@@ -115,7 +116,7 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
             raise APIError(400, str(error), param="messages", code="invalid_value") from None
         max_tokens = parsed.max_tokens
         if max_tokens is None:  # OpenAI's default: as many as the context leaves (here, up to the server's limit)
-            max_tokens = max(1, min(limits.max_tokens, engine.model.config.context_length + 1 - len(ids)))
+            max_tokens = max(1, default_max_new_tokens(len(ids), engine.model.config.context_length, limits.max_tokens))
         parsed = dataclasses.replace(parsed, prompts=[ids], max_tokens=max_tokens)
         return await respond(request, _Completion(parsed, [ids], tokenizer, model_name,
                                                   stop_ids=tokenizer.end_of_turn_ids))
