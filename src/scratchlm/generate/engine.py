@@ -363,7 +363,6 @@ class Engine:
         """log-softmax over the tokenizer's ids, in float32: the model's own distribution (no temperature)."""
         return logits[..., :self.vocab_limit].float().log_softmax(dim=-1)
 
-
     def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, alternatives: int) -> PromptLogprobs:
         """logits (P, V) of the whole prompt -> the log-probability of each prompt token after the ones before."""
         scores = self._log_probs(logits[:-1])  # (P - 1, V): position i predicts token i + 1

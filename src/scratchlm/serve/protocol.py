@@ -21,12 +21,10 @@ from scratchlm.errors import UserError
 from scratchlm.serve.commands import Limits
 from scratchlm.tokenizer.chat_template import check_messages
 
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
-          "logprobs", "echo", "stop", "seed", "user", "presence_penalty", "frequency_penalty", "best_of",
-          "logit_bias", "suffix"}
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-               "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
-               "logit_bias", "logprobs", "top_logprobs"}
+SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "logprobs",
+                 "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_STOPS = 4
 MAX_SEED = 2**63 - 1
 

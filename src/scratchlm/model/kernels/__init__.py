@@ -24,7 +24,6 @@ allows) and otherwise computes the readable way; `readable(model)` puts every mo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -116,11 +115,10 @@ def _with_compiled(compiled: compiled_step.CompiledStep, eager: Step) -> Step:
 
 def forward_step(model: nn.Module) -> Step:
     """The model's own forward as a decoding Step."""
-    return functools.partial(_forward, model)
+    def step(ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
 
-
-def _forward(model: nn.Module, ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None):
-    return model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
+    return step
 
 
 def _install(model: nn.Module, chosen: dict[type, object]) -> None:

@@ -1,17 +1,15 @@
 """A decoding step compiled ahead of time for CPUs: `generate(..., compile=True)`, `scratchlm generate --compile`.
 
-Wins on: CPUs, where the eager step (decode_step.py) spends most of its time in hundreds of small tensor ops a
-token (norms, RoPE, casts, softmax), each a Python call and a dispatch. AOTInductor builds the step into a shared
-library: one C++ call, those ops fused into a few loops. Two libraries per cache size, each built at first call:
-one row (float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights
-inductor packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights). The build
-takes seconds, paid once per model in a process, so it is opt-in (figures: docs/benchmarks.md).
+Wins on: CPUs, where the eager step (decode_step.py) spends most of its time dispatching hundreds of small ops a
+token; AOTInductor builds the step into a shared library, one C++ call with those ops fused into a few loops. Two
+libraries per cache size, each built at its first call (seconds, once per model in a process: opt-in): one row
+(float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights inductor
+packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights).
 
-What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one new
-token a row, left padding included. The cache's length is a dynamic dimension and the position a tensor, so a
-growing cache does not rebuild. Export traces decode_step.py's own `DecodeStep.step` over the library's inputs,
-so the step is written once. Anything else (a prefill, a mask, autograd, weights changed since the build) takes
-the eager step. Tested against the forward in tests/test_compiled_step.py.
+It computes `model(ids (B, 1), kv_cache=cache, last_only=True)` of a pre-norm TransformerLM, left padding
+included; the cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
+rebuild. Export traces decode_step.py's own `DecodeStep.step`, so the step is written once. Anything else (a
+prefill, a mask, autograd, weights changed since the build) takes the eager step (tests/test_compiled_step.py).
 """
 
 from __future__ import annotations
