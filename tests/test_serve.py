@@ -333,7 +333,7 @@ def test_an_engine_that_fails_while_serving_makes_health_and_every_request_503(m
         monkeypatch.setattr(engine, "_fail_all", broken)  # the engine's own recovery fails: the thread ends
         engine.request_stop()
         engine._thread.join(10)
-        engine._stopping = False  # not a shutdown: a failure
+        engine.stopping = False  # not a shutdown: a failure
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert "MemoryError: the engine ran out of memory" in health.json()["error"]

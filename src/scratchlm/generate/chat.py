@@ -17,11 +17,9 @@ import collections
 from collections.abc import Iterator
 
 from scratchlm.errors import UserError
-from scratchlm.generate.decoding import check_options
+from scratchlm.generate.decoding import check_options, default_max_new_tokens
 from scratchlm.generate.engine import Engine, Failed, Finished, Sampling, Sequence, Token
 from scratchlm.tokenizer import Tokenizer
-
-DEFAULT_MAX_REPLY = 256  # tokens, when no budget is given (and the context leaves room)
 
 
 class ChatSession:
@@ -56,8 +54,8 @@ class ChatSession:
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         context = self.engine.model.config.context_length
         budget = self.max_new_tokens
-        if budget is None:  # the last new token is never fed back: prompt + budget - 1 fits the context
-            budget = min(DEFAULT_MAX_REPLY, context + 1 - len(ids))
+        if budget is None:
+            budget = default_max_new_tokens(len(ids), context)
         try:
             self.engine.check(ids, max(budget, 1))
         except ValueError:

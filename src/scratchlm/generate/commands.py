@@ -110,7 +110,7 @@ def load_model_and_tokenizer(args: argparse.Namespace, command: str):
 
 def run_generate(args: argparse.Namespace) -> int:
     from scratchlm.errors import UserError
-    from scratchlm.generate.decoding import generate, stream
+    from scratchlm.generate.decoding import default_max_new_tokens, generate, stream
 
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}")
@@ -120,10 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(text) if text else ([eos_id] if eos_id is not None else []) for text in texts]
     if not all(prompts):
         raise UserError("empty --prompt and the tokenizer has no <|endoftext|> to start a document with")
-    context = model.config.context_length
     max_new = args.max_new_tokens
-    if max_new is None:  # the last new token is never fed back: prompt + max_new - 1 fits the context
-        max_new = max(0, min(256, context + 1 - max(len(ids) for ids in prompts)))
+    if max_new is None:
+        max_new = max(0, default_max_new_tokens(max(len(ids) for ids in prompts), model.config.context_length))
     # Every sample of every prompt decodes in one batch, row r seeded seed + r (one prompt: sample s, seed + s).
     rows = [(text, ids) for text, ids in zip(texts, prompts) for _ in range(args.num_samples)]
     # vocab_limit: a model's vocabulary may be padded past the tokenizer's, and those ids have no text

@@ -127,6 +127,12 @@ def _recomputed(model: TransformerLM, prompts: list[list[int]], settings: list[S
             return
 
 
+def default_max_new_tokens(prompt_length: int, context_length: int, cap: int = 256) -> int:
+    """The token budget when none is given: what the context leaves after the prompt (the last new token is never
+    fed back, so prompt + budget - 1 must fit), at most `cap` (0 or less: the prompt alone passes the context)."""
+    return min(cap, context_length + 1 - prompt_length)
+
+
 def check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int | None) -> None:
     """A ValueError naming the first sampling option out of its range (generate(), stream() and the chat)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:

@@ -130,7 +130,7 @@ class Engine:
         self._batch = batch_cache.BatchCache(model, max_batch)
         self._prefill_cache = KVCache.for_model(model, 1, zeroed=False)  # reset for each joining sequence
         self._forward = kernels.forward_step(model)  # the engine thread swaps in its decoding step (_run)
-        self._stopping = False
+        self.stopping = False  # set by request_stop: the engine fails every sequence and ends
         self.failure: str | None = None  # why the engine thread ended on an error: it decodes nothing more
         self._ready = threading.Event()  # set by the engine thread once it can decode (or has failed to)
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
@@ -165,7 +165,7 @@ class Engine:
         for sequence in sequences:
             self.check(sequence.prompt_ids, sequence.sampling.max_tokens)
         with self._wakeup:
-            if self._stopping or self.failure is not None:
+            if self.stopping or self.failure is not None:
                 raise RuntimeError(self.failure or "the engine is stopping")
             if any(waiting.cancelled for waiting in self._waiting):  # their clients left: they hold no place
                 self._waiting = collections.deque(waiting for waiting in self._waiting if not waiting.cancelled)
@@ -189,11 +189,7 @@ class Engine:
 
     def request_stop(self) -> None:
         """Fail every sequence and end the thread, soon. Only sets a flag: safe inside a signal handler."""
-        self._stopping = True
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
+        self.stopping = True
 
     @property
     def failed(self) -> bool:
@@ -237,9 +233,9 @@ class Engine:
     def _decode_until_stopped(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._stopping or self._waiting or self._rows):
+                while not (self.stopping or self._waiting or self._rows):
                     self._wakeup.wait(0.1)  # a timeout: request_stop (a signal handler) cannot notify
-                if self._stopping:
+                if self.stopping:
                     break
             try:
                 self._step()
@@ -362,7 +358,6 @@ class Engine:
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """log-softmax over the tokenizer's ids, in float32: the model's own distribution (no temperature)."""
         return logits[..., :self.vocab_limit].float().log_softmax(dim=-1)
-
 
     def _prompt_logprobs(self, prompt: list[int], logits: torch.Tensor, alternatives: int) -> PromptLogprobs:
         """logits (P, V) of the whole prompt -> the log-probability of each prompt token after the ones before."""

@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scratchlm.errors import UserError
+from scratchlm.generate.decoding import default_max_new_tokens
 from scratchlm.generate.engine import Engine, Failed, Finished, PromptLogprobs, QueueFull, Sampling, Sequence, Token
 from scratchlm.serve import protocol
 from scratchlm.serve.commands import Limits
@@ -115,7 +116,7 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits, api_key: str 
             raise APIError(400, str(error), param="messages", code="invalid_value") from None
         max_tokens = parsed.max_tokens
         if max_tokens is None:  # OpenAI's default: as many as the context leaves (here, up to the server's limit)
-            max_tokens = max(1, min(limits.max_tokens, engine.model.config.context_length + 1 - len(ids)))
+            max_tokens = max(1, default_max_new_tokens(len(ids), engine.model.config.context_length, limits.max_tokens))
         parsed = dataclasses.replace(parsed, prompts=[ids], max_tokens=max_tokens)
         return await respond(request, _Completion(parsed, [ids], tokenizer, model_name,
                                                   stop_ids=tokenizer.end_of_turn_ids))
@@ -253,6 +254,15 @@ class _Completion:
         prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
         return protocol.usage(prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs | None = None, *,
+               chunk: bool = False) -> dict:
+        """One choice of the response, or with `chunk` of a stream chunk (a chat's is then a delta)."""
+        if not self.chat:
+            return protocol.choice(index, text, finish_reason, logprobs.object() if logprobs else None)
+        if chunk:
+            return protocol.chat_delta(index, {"content": text} if text or finish_reason is None else {}, finish_reason)
+        return protocol.chat_choice(index, text, finish_reason)
+
     def body(self, choices: list[dict], usage: dict | None = None, *, chunk: bool = False) -> dict:
         """The response object with these choices; with `chunk`, a chunk of the stream."""
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -341,11 +351,7 @@ async def _collect(run: _Completion, deadline: float, request: Request) -> Respo
                 pending -= isinstance(event, Finished)
     finally:
         run.cancel()
-    if run.chat:
-        choices = [protocol.chat_choice(i, "".join(c.text), c.finish_reason) for i, c in enumerate(run.choices)]
-    else:
-        choices = [protocol.choice(i, "".join(c.text), c.finish_reason, c.logprobs.object() if c.logprobs else None)
-                   for i, c in enumerate(run.choices)]
+    choices = [run.choice(i, "".join(c.text), c.finish_reason, c.logprobs) for i, c in enumerate(run.choices)]
     return JSONResponse(run.body(choices, run.usage()))
 
 
@@ -357,10 +363,7 @@ async def _stream(run: _Completion, deadline: float, request: Request):
     A client that leaves is noticed when a write fails, but tokens that complete no character (or may start a
     stop string) write nothing, so the connection is also polled every DISCONNECT_POLL_SECONDS."""
     def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: Logprobs | None = None) -> str:
-        if run.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
-            return _event(run.body([protocol.chat_delta(index, delta, finish_reason)], chunk=True))
-        return _event(run.body([protocol.choice(index, text, finish_reason, logprobs.object() if logprobs else None)]))
+        return _event(run.body([run.choice(index, text, finish_reason, logprobs, chunk=True)], chunk=True))
 
     offsets = [0] * len(run.choices)
     try:

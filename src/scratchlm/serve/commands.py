@@ -170,12 +170,9 @@ def run_serve(args: argparse.Namespace) -> int:
 def off_the_main_thread(work: Callable[[], T]) -> T:
     """`work()` run on a thread that ends with it: its torch ops leave no OpenMP thread team behind.
 
-    Why: the engine thread decodes with torch's OpenMP threads, and GNU OpenMP keeps a team of worker threads
-    for every thread that ran a parallel op. Once the teams' threads outnumber the cores, it stops spinning
-    between parallel ops and puts its workers to sleep after each one, so every op pays a wake-up: on a 2-core
-    machine, small ops on the engine thread then cost many times what they cost otherwise (docs/serving.md). A
-    thread's team ends with the thread, so the model is loaded on a thread of its own and the main thread
-    (uvicorn's) runs no parallel torch op."""
+    GNU OpenMP keeps a team of workers for every thread that ran a parallel op; once the teams outnumber the
+    cores it puts workers to sleep after each op, and every small op of the engine thread pays a wake-up
+    (docs/serving.md). A team ends with its thread, so the main thread (uvicorn's) runs no parallel torch op."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="scratchlm-load") as pool:
         return pool.submit(work).result()
 

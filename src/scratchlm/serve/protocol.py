@@ -21,12 +21,10 @@ from scratchlm.errors import UserError
 from scratchlm.serve.commands import Limits
 from scratchlm.tokenizer.chat_template import check_messages
 
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
-          "logprobs", "echo", "stop", "seed", "user", "presence_penalty", "frequency_penalty", "best_of",
-          "logit_bias", "suffix"}
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-               "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
-               "logit_bias", "logprobs", "top_logprobs"}
+SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "logprobs",
+                 "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_STOPS = 4
 MAX_SEED = 2**63 - 1
 
@@ -67,14 +65,15 @@ class CompletionRequest:
 
 def parse_completion(body: bytes, *, model_name: str, limits: Limits) -> CompletionRequest:
     fields = _fields(body, FIELDS, model_name)
-    n = _integer(fields, "n", 1, low=1, high=limits.max_choices)
+    shared = _shared(fields, limits)
+    n = shared["n"]
     best_of = _integer(fields, "best_of", n, low=1)
     if best_of != n:
         raise bad("best_of", f"best_of must equal n ({n}) here (no server-side ranking), got {best_of}")
     request = CompletionRequest(
-        prompts=_prompts(fields), max_tokens=_integer(fields, "max_tokens", 16, low=0, high=limits.max_tokens), n=n,
+        prompts=_prompts(fields), max_tokens=_integer(fields, "max_tokens", 16, low=0, high=limits.max_tokens),
         logprobs=_optional_integer(fields, "logprobs", low=0, high=limits.max_logprobs),
-        echo=_boolean(fields, "echo", False), **_sampling(fields, limits))
+        echo=_boolean(fields, "echo", False), **shared)
     if len(request.prompts) * n > limits.max_choices:
         raise bad("n", f"{len(request.prompts)} prompts x n={n} is {len(request.prompts) * n} choices, more than "
                        f"the server's limit of {limits.max_choices}")
@@ -97,15 +96,14 @@ def parse_chat(body: bytes, *, model_name: str, limits: Limits) -> CompletionReq
     except UserError as error:
         raise bad(str(error).split(":", 1)[0], str(error)) from None
     name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = None if fields.get(name) is None else _integer(fields, name, 0, low=1, high=limits.max_tokens)
-    return CompletionRequest(prompts=[], max_tokens=max_tokens, n=_integer(fields, "n", 1, low=1,
-                             high=limits.max_choices), logprobs=None, echo=False, messages=messages,
-                             **_sampling(fields, limits))
+    return CompletionRequest(prompts=[], max_tokens=_optional_integer(fields, name, low=1, high=limits.max_tokens),
+                             logprobs=None, echo=False, messages=messages, **_shared(fields, limits))
 
 
-def _sampling(fields: dict, limits: Limits) -> dict:
+def _shared(fields: dict, limits: Limits) -> dict:
     """The fields both protocols share, checked."""
-    return dict(temperature=_number(fields, "temperature", 1.0, low=0.0), top_p=_top_p(fields),
+    return dict(n=_integer(fields, "n", 1, low=1, high=limits.max_choices),
+                temperature=_number(fields, "temperature", 1.0, low=0.0), top_p=_top_p(fields),
                 top_k=_optional_integer(fields, "top_k", low=1), stream=_boolean(fields, "stream", False),
                 include_usage=_include_usage(fields), stop=_stop(fields),
                 seed=_optional_integer(fields, "seed", low=0, high=MAX_SEED - limits.max_choices))

@@ -24,8 +24,7 @@ allows) and otherwise computes the readable way; `readable(model)` puts every mo
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -40,6 +39,7 @@ from scratchlm.model.kernels.fused_attention import fused_causal_attention
 from scratchlm.model.kernels.fused_norm import fused_rms_norm
 from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import packed_weights
+from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
@@ -64,13 +64,13 @@ def apply(model: nn.Module, device: torch.device | str | None = None, *,
           fused_attention: bool | None = None) -> nn.Module:
     """Switch every attention core, RoPE and Linear of `model` to the fastest path on `device` (default: where
     its parameters are); returns the model. State-dict names and results are unchanged."""
-    _install(model, choices(device or _device_of(model), fused_attention), only_readable=False)
+    _install(model, choices(device or _device_of(model), fused_attention))
     return model
 
 
 def readable(model: nn.Module) -> nn.Module:
     """Put every module of `model` back on the readable path of model/; returns the model."""
-    _install(model, {kind: default for kind, _, default in _HOOKS}, only_readable=False)
+    _install(model, {kind: default for kind, _, default in _HOOKS})
     return model
 
 
@@ -85,27 +85,19 @@ def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
     the readable path (kernels the caller applied stay), then on CPU the step's weights packed for oneDNN
     (packed_linear.py). With `compile`, one-token steps run compiled (compiled_step.py: bf16 and float32; other
     models and calls decode as without). Every module gets its previous implementation back on exit."""
-    saved = [(module, attribute, getattr(module, attribute)) for module in model.modules()
-             for kind, attribute, _ in _HOOKS if isinstance(module, kind)]
     device = _device_of(model)
     chosen = choices(device) | {RMSNorm: fused_rms_norm}  # no autograd, a few tokens against a cache
     if device.type == "cpu":
         chosen[MultiHeadSelfAttention] = grouped_causal_attention
-    _install(model, chosen, only_readable=True)
-    step = forward_step(model)
-    packed: nn.Module = model
+    step, packed, modules = forward_step(model), model, list(model.modules())
     if decode_step.supports(model) and decode_step.fused_bytes(model) <= decode_step.MAX_FUSED_BYTES:
         step = fused = decode_step.DecodeStep(model)
-        _install(fused.linears, chosen, only_readable=True)
         packed = fused.linears
+        modules = list(dict.fromkeys([*modules, *fused.linears]))  # and the step's concatenated copies
         if compile and compiled_step.supports(model):
             step = _with_compiled(compiled_step.compiled_for(model), fused)
-    try:
-        with packed_weights(packed):
-            yield step
-    finally:
-        for module, attribute, implementation in saved:
-            setattr(module, attribute, implementation)
+    with swapped(_hooks(modules, chosen, only_readable=True)), packed_weights(packed):
+        yield step
 
 
 def _with_compiled(compiled: compiled_step.CompiledStep, eager: Step) -> Step:
@@ -123,18 +115,23 @@ def _with_compiled(compiled: compiled_step.CompiledStep, eager: Step) -> Step:
 
 def forward_step(model: nn.Module) -> Step:
     """The model's own forward as a decoding Step."""
-    return functools.partial(_forward, model)
+    def step(ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
+
+    return step
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, kv_cache, attention_mask: torch.Tensor | None = None):
-    return model(ids, kv_cache=kv_cache, attention_mask=attention_mask, last_only=True)
+def _install(model: nn.Module, chosen: dict[type, object]) -> None:
+    for module, attribute, implementation in _hooks(model.modules(), chosen, only_readable=False):
+        setattr(module, attribute, implementation)
 
 
-def _install(model: nn.Module, chosen: dict[type, object], only_readable: bool) -> None:
-    for module in model.modules():
-        for kind, attribute, default in _HOOKS:
-            if isinstance(module, kind) and (not only_readable or getattr(module, attribute) is default):
-                setattr(module, attribute, chosen[kind])
+def _hooks(modules: Iterable[nn.Module], chosen: dict[type, object],
+           only_readable: bool) -> list[tuple[nn.Module, str, object]]:
+    """(module, attribute, chosen[kind]) for each swappable contract of `modules`; with `only_readable`, only
+    those still on the readable path."""
+    return [(module, attribute, chosen[kind]) for module in modules for kind, attribute, default in _HOOKS
+            if isinstance(module, kind) and (not only_readable or getattr(module, attribute) is default)]
 
 
 def _device_of(model: nn.Module) -> torch.device:

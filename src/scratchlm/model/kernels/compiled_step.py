@@ -1,17 +1,15 @@
 """A decoding step compiled ahead of time for CPUs: `generate(..., compile=True)`, `scratchlm generate --compile`.
 
-Wins on: CPUs, where the eager step (decode_step.py) spends most of its time in hundreds of small tensor ops a
-token (norms, RoPE, casts, softmax), each a Python call and a dispatch. AOTInductor builds the step into a shared
-library: one C++ call, those ops fused into a few loops. Two libraries per cache size, each built at first call:
-one row (float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights
-inductor packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights). The build
-takes seconds, paid once per model in a process, so it is opt-in (figures: docs/benchmarks.md).
+Wins on: CPUs, where the eager step (decode_step.py) spends most of its time dispatching hundreds of small ops a
+token; AOTInductor builds the step into a shared library, one C++ call with those ops fused into a few loops. Two
+libraries per cache size, each built at its first call (seconds, once per model in a process: opt-in): one row
+(float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights inductor
+packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights).
 
-What it computes: `model(ids (B, 1), kv_cache=cache, last_only=True)` for a pre-norm TransformerLM, one new
-token a row, left padding included. The cache's length is a dynamic dimension and the position a tensor, so a
-growing cache does not rebuild. Export traces decode_step.py's own `DecodeStep.step` over the library's inputs,
-so the step is written once. Anything else (a prefill, a mask, autograd, weights changed since the build) takes
-the eager step. Tested against the forward in tests/test_compiled_step.py.
+It computes `model(ids (B, 1), kv_cache=cache, last_only=True)` of a pre-norm TransformerLM, left padding
+included; the cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
+rebuild. Export traces decode_step.py's own `DecodeStep.step`, so the step is written once. Anything else (a
+prefill, a mask, autograd, weights changed since the build) takes the eager step (tests/test_compiled_step.py).
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from __future__ import annotations
 import logging
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +26,7 @@ from torch import nn
 
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
 from scratchlm.model.kernels import decode_step
+from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import linear
 from scratchlm.model.transformer import TransformerLM
@@ -183,22 +182,14 @@ class _ExportedStep(nn.Module):
                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         return self.step.step(ids[:, None], _LibraryCache(positions, key_padding, keys, values))
 
-    @contextmanager
-    def traceable(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    def traceable(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> AbstractContextManager:
         """While traced: every product of the step as `product(x, weight)`, and RoPE's readable rotation, which
         inductor fuses into the step's loops (the complex one that decoding installs, complex_rope.py, has no C++
         kernel in the library and goes back to ATen). What was installed comes back after."""
         hooks = [(linear_, "matmul", product) for linear_ in self.fused]
         hooks += [(rope, "rotate", rotate_pairs) for rope in self.model.modules()
                   if isinstance(rope, RotaryPositionalEmbedding)]
-        saved = [(module, name, getattr(module, name)) for module, name, _ in hooks]
-        for module, name, value in hooks:
-            setattr(module, name, value)
-        try:
-            yield
-        finally:
-            for module, name, value in saved:
-                setattr(module, name, value)
+        return swapped(hooks)
 
 
 def _summed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,13 @@ def supports(model: nn.Module) -> bool:
 def fused_bytes(model: TransformerLM) -> int:
     """The bytes of the concatenated q/k/v and FFN input copies a DecodeStep keeps."""
     return sum(linear.weight.numel() * linear.weight.element_size() for block in model.layers
-               for linear in _fused_inputs(block))
+               for group in _fused_groups(block) if len(group) > 1 for linear in group)
 
 
-def _fused_inputs(block: TransformerBlock) -> list[Linear]:
-    """The Linears a step multiplies by as concatenated copies: q, k, v, and the FFN's inputs if several."""
-    attention, inputs = block.attn, block.ffn.inputs
-    return [attention.q_proj, attention.k_proj, attention.v_proj, *(inputs if len(inputs) > 1 else ())]
+def _fused_groups(block: TransformerBlock) -> tuple[tuple[Linear, ...], tuple[Linear, ...]]:
+    """The Linears a step multiplies by as one product a group: q, k and v; the FFN's inputs (W1 alone: no copy)."""
+    attention = block.attn
+    return (attention.q_proj, attention.k_proj, attention.v_proj), block.ffn.inputs
 
 
 class _Layer:
@@ -48,9 +48,8 @@ class _Layer:
 
     def __init__(self, block: TransformerBlock):
         self.block = block
-        attention, inputs = block.attn, block.ffn.inputs
-        self.qkv = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.up = _concatenated(*inputs) if len(inputs) > 1 else inputs[0]  # (gate | up) or W1
+        self.qkv, self.up = (_concatenated(*group) for group in _fused_groups(block))  # up: (gate | up) or W1
+        attention = block.attn
         self.splits = (attention.num_heads, attention.num_kv_heads, attention.num_kv_heads)
 
 
@@ -139,8 +138,11 @@ class DecodeStep:
 
 
 def _concatenated(*linears: Linear) -> Linear:
-    """One Linear whose output is the outputs of `linears` side by side (weights and biases concatenated)."""
+    """One Linear whose output is the outputs of `linears` side by side (weights and biases concatenated); a
+    single Linear is itself."""
     first = linears[0]
+    if len(linears) == 1:
+        return first
     with torch.inference_mode(False):  # a normal tensor, whose version counter the packed matmuls check
         fused = Linear(first.in_features, sum(linear.out_features for linear in linears), device="meta")
         fused.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]), requires_grad=False)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.kernels import cpu
+from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.layers import Linear
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -85,12 +86,10 @@ def packed_weights(model: nn.Module) -> Iterator[int]:
     if not layers or copy_bytes > MAX_PACKED_BYTES or not available():
         yield 0
         return
-    before = [layer.matmul for layer in layers]
+    packs = []
     for layer in layers:
         compute_dtype, min_rows = packing_for(layer.weight)
-        layer.matmul = PackedLinear(layer.weight, layer.matmul, compute_dtype=compute_dtype, min_rows=min_rows)
-    try:
+        packs.append((layer, "matmul", PackedLinear(layer.weight, layer.matmul, compute_dtype=compute_dtype,
+                                                    min_rows=min_rows)))
+    with swapped(packs):
         yield len(layers)
-    finally:
-        for layer, matmul in zip(layers, before):
-            layer.matmul = matmul
