@@ -106,7 +106,7 @@ class CompiledStep:
         library = self._library(inputs, cache)
         new_ids, positions, key_padding, keys, values = inputs
         # The library's runner, given the inputs in the order export flattened them: the loaded package's own
-        # __call__ would parse its call spec and flatten the inputs again at every step (~0.1 ms a token).
+        # __call__ would parse its call spec and flatten the inputs again at every step (docs/benchmarks.md).
         (logits,) = library.loader.boxed_run([new_ids, positions, key_padding, *keys, *values])
         cache.length += 1  # the library advanced cache.next_position
         return logits[:, None]
