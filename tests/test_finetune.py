@@ -108,7 +108,8 @@ def test_a_base_model_grows_chatml(base, tmp_path):
 def test_new_rows_start_as_the_mean(base, tmp_path):
     """The weights a fine-tuning starts from: the base model's rows, and for each new token the mean of them."""
     from scratchlm.finetune.data import ConversationData
-    from scratchlm.train.init_from import adopt, open_source
+    from scratchlm.init_source import open_source
+    from scratchlm.train.init_from import adopt
 
     data_path = conversations(tmp_path / "chat.jsonl", 4, seed=3)
     config = load_config(CONFIGS / "finetune.toml", [f"data.train_path={data_path}", f"train.init_from={base}",

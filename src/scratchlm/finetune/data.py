@@ -27,8 +27,8 @@ from scratchlm.finetune.rendering import Rendered, render_example
 from scratchlm.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from scratchlm.init_source import InitSource
     from scratchlm.tokenizer.tokenizer import Tokenizer
-    from scratchlm.train.init_from import InitSource
 
 ROW_MATRICES = ("token_embeddings.weight", "lm_head.weight")  # (vocab_size, d_model) each; one tensor when tied
 

@@ -26,9 +26,10 @@ import torch
 
 from scratchlm.config import RunConfig, load_config
 from scratchlm.errors import UserError
+from scratchlm.init_source import InitSource, open_source
 from scratchlm.train.budget import plan_budget
 from scratchlm.train.checkpoint import CheckpointManager
-from scratchlm.train.init_from import InitSource, adopt, open_source, with_model
+from scratchlm.train.init_from import adopt, with_model
 from scratchlm.train.precision import choose_dtype
 from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
 from scratchlm.train.tokenizer_identity import bind_tokenizer, check_same_tokenizer, fit_vocab_size
