@@ -234,13 +234,14 @@ def test_a_packed_weight_is_used_only_without_autograd_for_its_dtype_and_while_c
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_packing_rule_asks_the_cpu_for_bf16(monkeypatch, native):
-    """float32 weights: packed as float32 from 2 rows; bf16: in bf16 only where the CPU has bf16 arithmetic
-    (an AVX2 CPU cannot even pack them: oneDNN's bf16 reorder needs AVX-512), else as float32; fp16 as float32."""
+    """float32 weights: packed as float32 from 2 rows; bf16: in bf16 from 1 row only where the CPU has bf16
+    arithmetic (an AVX2 CPU cannot even pack them: oneDNN's bf16 reorder needs AVX-512), else as float32 from 4
+    rows; fp16 as float32 from 4 rows."""
     monkeypatch.setattr(cpu, "has_native_bf16", lambda: native)
     assert packed_linear.packing_for(torch.ones(2, 2)) == (torch.float32, 2)
-    bf16 = torch.bfloat16 if native else torch.float32
-    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.bfloat16)) == (bf16, 1)
-    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.float16)) == (torch.float32, 1)
+    bf16 = (torch.bfloat16, 1) if native else (torch.float32, 4)
+    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.bfloat16)) == bf16
+    assert packed_linear.packing_for(torch.ones(2, 2, dtype=torch.float16)) == (torch.float32, 4)
 
 
 @needs_onednn

@@ -5,8 +5,10 @@ few-row products far below peak, oneDNN's JIT kernels on a weight reordered once
 them near memory speed. The rule, fixed (measured with bench_generate, docs/benchmarks.md) so that a machine
 always decodes the same way:
 - float32 weights are packed for steps of 2 rows and more; a single row takes few_rows_linear.py;
-- bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`), else as float32
-  copies, the inputs upcast and the product rounded back once (what a bf16 matmul computes); fp16 as float32.
+- bf16 weights are packed in bf16 where the CPU has bf16 instructions (`cpu.has_native_bf16`);
+- other bf16 weights, and fp16 ones, are packed as float32 copies for steps of 4 rows and more, the inputs upcast
+  and the product rounded back once (what a half-precision matmul computes). Fewer rows take the layer's own
+  product in the weight's dtype: torch's half-precision matrix-vector kernels read half the bytes of the copies.
 
 The ops are private ones that torch.compile's CPU backend emits (`torch.ops.mkldnn._reorder_linear_weight`,
 `_linear_pointwise`); where this torch lacks them or they fail, `available()` is False and nothing is packed.
@@ -70,8 +72,9 @@ def packing_for(weight: torch.Tensor) -> tuple[torch.dtype, int]:
     """(the dtype to pack `weight` in, the fewest rows that take the packed product), by the rule above."""
     if weight.dtype == torch.float32:
         return torch.float32, 2
-    native = weight.dtype == torch.bfloat16 and cpu.has_native_bf16()
-    return (weight.dtype if native else torch.float32), 1
+    if weight.dtype == torch.bfloat16 and cpu.has_native_bf16():
+        return torch.bfloat16, 1
+    return torch.float32, 4
 
 
 @contextmanager
