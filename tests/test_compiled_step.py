@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from scratchlm.generate.commands import say_if_not_compiled
 from scratchlm.generate.decoding import generate
 from scratchlm.model import KVCache, kernels
-from scratchlm.model.kernels import compiled_step
+from scratchlm.model.kernels import compiled_step, cpu
 from test_decode_step import TOLERANCE, _model, _prefilled
 
 STEPS = 6
@@ -48,6 +48,23 @@ def test_the_compiled_step_equals_the_forward_with_left_padding(dtype, overrides
     assert torch.equal(step_cache.next_position, forward_cache.next_position)
     for got_layer, want_layer in zip(step_cache.keys + step_cache.values, forward_cache.keys + forward_cache.values):
         assert_close(got_layer[:, :, :step_cache.length], want_layer[:, :, :forward_cache.length], **tolerance)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_several_bf16_rows_multiply_in_float32_only_without_bf16_arithmetic(monkeypatch, native):
+    """The several-rows library's bf16 products: inductor's own where the CPU has bf16 arithmetic, float32 ones
+    rounded back once where it has not (what packed_linear.py computes there; the equality test above runs both
+    ways, natively and in scripts/test_avx2.sh). One row keeps the bf16 product either way."""
+    monkeypatch.setattr(cpu, "has_native_bf16", lambda: native)
+    step = compiled_step.CompiledStep(_model(torch.bfloat16))
+    assert step.one_row_product is compiled_step.linear
+    assert step.rows_product is (compiled_step.linear if native else compiled_step._in_float32)
+    assert compiled_step.CompiledStep(_model(torch.float32)).rows_product is compiled_step.linear
+    generator = torch.Generator().manual_seed(0)
+    x, weight = (torch.randn(*shape, generator=generator).bfloat16() for shape in ((3, 40), (24, 40)))
+    product = compiled_step._in_float32(x, weight)
+    assert product.dtype == torch.bfloat16
+    assert torch.equal(product, (x.double() @ weight.double().t()).float().bfloat16())  # exact sums: one rounding
 
 
 def test_decoding_compiles_only_one_token_steps():

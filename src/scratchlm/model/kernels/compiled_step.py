@@ -4,7 +4,8 @@ Wins on: CPUs, where the eager step (decode_step.py) spends most of its time dis
 token; AOTInductor builds the step into a shared library, one C++ call with those ops fused into a few loops. Two
 libraries per cache size, each built at its first call (seconds, once per model in a process: opt-in): one row
 (float32 products as inductor's own matrix-vector loop, `_summed`; bf16 ones as `x @ Wᵀ` on weights inductor
-packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights).
+packs for oneDNN) and several rows (a dynamic dimension; every product on packed weights, bf16 ones packed as
+float32 where the CPU has no bf16 arithmetic, `_in_float32`, as packed_linear.py packs them).
 
 It computes `model(ids (B, 1), kv_cache=cache, last_only=True)` of a pre-norm TransformerLM, left padding
 included; the cache's length is a dynamic dimension and the position a tensor, so a growing cache does not
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
-from scratchlm.model.kernels import decode_step
+from scratchlm.model.kernels import cpu, decode_step
 from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import linear
@@ -77,7 +78,9 @@ class CompiledStep:
 
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
-        self.one_row_product = _summed if model.lm_head.weight.dtype == torch.float32 else linear
+        dtype = model.lm_head.weight.dtype
+        self.one_row_product = _summed if dtype == torch.float32 else linear
+        self.rows_product = _in_float32 if dtype == torch.bfloat16 and not cpu.has_native_bf16() else linear
         self.libraries: dict[tuple[int, bool], AOTICompiledModel] = {}  # (cache size, one row) -> built
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
         self.failed = False  # set by `give_up`: the calls go to the eager step from then on
@@ -123,7 +126,7 @@ class CompiledStep:
             step = _ExportedStep(self.model())
             try:
                 with torch.inference_mode(False), torch.no_grad(), step.traceable(
-                        self.one_row_product if one_row else linear):
+                        self.one_row_product if one_row else self.rows_product):
                     # traced on copies of the cache's tensors, which the step writes and which may be inference
                     # tensors (a trace cannot write those), the buffers copied whole so that their strides are kept
                     example = _library_inputs(inputs[0][:, None], cache, cache.next_position.clone(),
@@ -196,3 +199,9 @@ def _summed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x Wᵀ as the sum over the input features of x·W: (B, in) -> (B, out). Inductor writes it as one loop over W's
     rows (a matrix-vector product, vectorized and split across threads), with no (B, out, in) temporary."""
     return (x[..., None, :] * weight).sum(-1)
+
+
+def _in_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ of bf16 x and W as a float32 product rounded back once. Frozen, W's float32 copy is a constant that
+    inductor packs for oneDNN: without bf16 arithmetic, faster than its bf16 product (docs/benchmarks.md)."""
+    return linear(x.float(), weight.float()).to(x.dtype)
