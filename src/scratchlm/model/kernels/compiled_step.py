@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from scratchlm.model.attention import RotaryPositionalEmbedding, rotate_pairs
-from scratchlm.model.kernels import cpu, decode_step
+from scratchlm.model.kernels import decode_step, packed_linear
 from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.kv_cache import KVCache
 from scratchlm.model.layers import linear
@@ -78,9 +78,10 @@ class CompiledStep:
 
     def __init__(self, model: TransformerLM):
         self.model = weakref.ref(model)  # not a reference: the model is the key it is kept under
-        dtype = model.lm_head.weight.dtype
-        self.one_row_product = _summed if dtype == torch.float32 else linear
-        self.rows_product = _in_float32 if dtype == torch.bfloat16 and not cpu.has_native_bf16() else linear
+        weight = model.lm_head.weight
+        self.one_row_product = _summed if weight.dtype == torch.float32 else linear
+        packed_as, _ = packed_linear.packing_for(weight)  # the eager step's rule: float32 without bf16 arithmetic
+        self.rows_product = linear if packed_as == weight.dtype else _in_float32
         self.libraries: dict[tuple[int, bool], AOTICompiledModel] = {}  # (cache size, one row) -> built
         self.sources = [(parameter, parameter._version) for parameter in model.parameters()]
         self.failed = False  # set by `give_up`: the calls go to the eager step from then on
