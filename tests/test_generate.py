@@ -407,7 +407,7 @@ def test_batched_decoding_packed_or_not_matches_the_readable_model_and_drops_the
     assert model.lm_head.matmul is linear  # the model is back on the readable path
     decoding = kernels.decoding
     monkeypatch.setattr(kernels, "decoding",  # the readable model
-                        lambda m, compile=False: contextlib.nullcontext(kernels.forward_step(m)))
+                        lambda m, compile=False, batch=None: contextlib.nullcontext(kernels.forward_step(m)))
     want = generate(model, prompts, CONTEXT - 8, temperature=0)
     monkeypatch.setattr(kernels, "decoding", decoding)
     assert generate(model, prompts, CONTEXT - 8, temperature=0) == want

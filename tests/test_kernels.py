@@ -261,6 +261,21 @@ def test_packed_weights_nest_skip_other_dtypes_and_big_models(monkeypatch):
         assert count == 0 and layer.matmul is linear
 
 
+@needs_onednn
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native_bf16), False])
+def test_weights_are_packed_only_where_the_steps_rows_use_the_packs(monkeypatch, native):
+    """With steps of `step_rows` rows, a weight whose packed product needs more rows stays unpacked (only
+    prefills would use it): float32 from 2 rows, bf16 from 1 with bf16 arithmetic, else from 4."""
+    if not native:
+        monkeypatch.setattr(cpu, "has_native_bf16", lambda: False)
+    single, half = Linear(16, 24), Linear(16, 24, dtype=torch.bfloat16)
+    model = torch.nn.ModuleList([single, half])
+    for step_rows, packed in ((1, [False, native]), (2, [True, native]), (4, [True, True]), (None, [True, True])):
+        with packed_weights(model, step_rows) as count:
+            got = [isinstance(layer.matmul, PackedLinear) for layer in (single, half)]
+            assert got == packed and count == sum(packed), step_rows
+
+
 def test_without_onednn_nothing_is_packed(monkeypatch):
     monkeypatch.setattr(packed_linear, "available", lambda: False)
     layer = Linear(16, 24)

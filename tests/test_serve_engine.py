@@ -291,7 +291,7 @@ def test_an_engine_that_cannot_decode_fails_its_start_and_every_request_with_the
     the engine refuses what is submitted after."""
     from scratchlm.generate import engine as engine_module
 
-    def broken_decoding(m, compile=False):
+    def broken_decoding(m, compile=False, batch=None):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
     monkeypatch.setattr(engine_module.kernels, "decoding", broken_decoding)

@@ -153,7 +153,7 @@ class Engine:
         yielding after each step; their events reach their `emit` as on the thread. The speed paths are on while
         it runs and off when it ends or the caller drops it."""
         self.submit(sequences)
-        with kernels.decoding(self.model, compile=self.compile) as forward:
+        with kernels.decoding(self.model, self.compile, self.max_batch) as forward:
             self._forward = forward
             while self._waiting or self._rows:
                 with torch.inference_mode():  # per step: the caller's code between steps runs as it would
@@ -212,7 +212,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            with torch.inference_mode(), kernels.decoding(self.model, compile=self.compile) as forward:
+            with torch.inference_mode(), kernels.decoding(self.model, self.compile, self.max_batch) as forward:
                 self._forward = forward  # the fused decoding step (model/kernels/decode_step.py) where it applies
                 if self.compile and compiled_step.supports(self.model):
                     try:

@@ -78,13 +78,14 @@ Step = Callable[..., torch.Tensor]  # (ids (B, T), kv_cache, attention_mask=None
 
 
 @contextmanager
-def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
+def decoding(model: nn.Module, compile: bool = False, batch: int | None = None) -> Iterator[Step]:
     """What generate() and the server decode under; yields the step to call instead of `model(ids,
     kv_cache=cache, attention_mask=mask, last_only=True)`: decode_step.py's fused step where the model has its
     shape (else the forward itself). Inside, `apply`'s choices for the model's device on each module still on
     the readable path (kernels the caller applied stay), then on CPU the step's weights packed for oneDNN
-    (packed_linear.py). With `compile`, one-token steps run compiled (compiled_step.py: bf16 and float32; other
-    models and calls decode as without). Every module gets its previous implementation back on exit."""
+    (packed_linear.py) where steps of `batch` rows (None: any number) use the packs. With `compile`, one-token
+    steps run compiled (compiled_step.py: bf16 and float32; other models and calls decode as without). Every
+    module gets its previous implementation back on exit."""
     device = _device_of(model)
     chosen = choices(device) | {RMSNorm: fused_rms_norm}  # no autograd, a few tokens against a cache
     if device.type == "cpu":
@@ -96,7 +97,7 @@ def decoding(model: nn.Module, compile: bool = False) -> Iterator[Step]:
         modules = list(dict.fromkeys([*modules, *fused.linears]))  # and the step's concatenated copies
         if compile and compiled_step.supports(model):
             step = _with_compiled(compiled_step.compiled_for(model), fused)
-    with swapped(_hooks(modules, chosen, only_readable=True)), packed_weights(packed):
+    with swapped(_hooks(modules, chosen, only_readable=True)), packed_weights(packed, batch):
         yield step
 
 

@@ -78,13 +78,16 @@ def packing_for(weight: torch.Tensor) -> tuple[torch.dtype, int]:
 
 
 @contextmanager
-def packed_weights(model: nn.Module) -> Iterator[int]:
+def packed_weights(model: nn.Module, step_rows: int | None = None) -> Iterator[int]:
     """Within the block, the CPU Linear layers of `model` multiply through packed copies of their weights (by the
     rule above); yields how many were packed (0 where oneDNN's ops are missing or the copies would pass
-    MAX_PACKED_BYTES). Each layer's previous matmul comes back on exit, and the copies are dropped."""
+    MAX_PACKED_BYTES). `step_rows`, the most rows a decoding step will have (its batch), leaves unpacked the
+    weights whose packs need more: only prefills would use them, and packing a weight costs about as much as ten
+    of its products. Each layer's previous matmul comes back on exit, and the copies are dropped."""
     layers = [layer for layer in model.modules()
               if isinstance(layer, Linear) and not isinstance(layer.matmul, PackedLinear)
-              and layer.weight.device.type == "cpu" and layer.weight.dtype in PACKED_DTYPES]
+              and layer.weight.device.type == "cpu" and layer.weight.dtype in PACKED_DTYPES
+              and (step_rows is None or packing_for(layer.weight)[1] <= step_rows)]
     copy_bytes = sum(layer.weight.numel() * 4 for layer in layers)  # float32 copies at most
     if not layers or copy_bytes > MAX_PACKED_BYTES or not available():
         yield 0
