@@ -15,6 +15,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from scratchlm.accounting.memory import (
+    estimate_memory,
+    max_batch_size,
+    parse_memory,
+    time_to_train,
+    training_flops_per_token,
+)
+from scratchlm.accounting.params_flops import (
+    ADAMW_FLOPS_PER_PARAM,
+    count_params,
+    forward_flops,
+    kv_cache_bytes_per_token,
+    matrix_table,
+    six_n_d_flops,
+    training_step_flops,
+)
+from scratchlm.errors import UserError
+from scratchlm.model_args import shape_run_config
+
 ACCOUNTING_EPILOG = """examples:
   scratchlm accounting --preset gpt2-xl --context 1024 --batch 4 --memory 80GB --tflops 989 --mfu 0.4 --tokens 10e9
   scratchlm accounting --preset gpt2-xl --context 16384 --dtype bf16
@@ -66,23 +85,6 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
                       steps: int | None = None) -> dict[str, Any]:
     """Everything `scratchlm accounting` shows, as a JSON-ready dict. `steps` means `steps × batch × context`
     training tokens (give it or `tokens`); the time to train needs `tflops` (× `mfu`) or `tokens_per_second`."""
-    from scratchlm.accounting.memory import (
-        estimate_memory,
-        max_batch_size,
-        parse_memory,
-        time_to_train,
-        training_flops_per_token,
-    )
-    from scratchlm.accounting.params_flops import (
-        ADAMW_FLOPS_PER_PARAM,
-        count_params,
-        forward_flops,
-        kv_cache_bytes_per_token,
-        matrix_table,
-        six_n_d_flops,
-        training_step_flops,
-    )
-
     params, flops = count_params(config), forward_flops(config, context, batch)
     step = training_step_flops(config, context, batch)
     estimate = estimate_memory(config, context, batch, dtype, activation_model)
@@ -130,9 +132,6 @@ def accounting_report(config, context: int, batch: int, dtype: str = "fp32", act
 
 
 def run_accounting_command(args: argparse.Namespace) -> int:
-    from scratchlm.errors import UserError
-    from scratchlm.model_args import shape_run_config
-
     preset = None if args.config is not None else args.preset  # --preset has a default; --config wins
     config = shape_run_config(args.config, preset, args.overrides, "accounting").model
     context = args.context if args.context is not None else config.context_length

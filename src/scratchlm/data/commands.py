@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from scratchlm.data.download import register_download
 from scratchlm.data.input_arguments import add_input_arguments
+from scratchlm.errors import UserError
 from scratchlm.finetune.commands import register_conversations
+from scratchlm.output_paths import refuse_inputs
 from scratchlm.workers import default_workers
 
 
@@ -78,10 +81,6 @@ def run_encode(args: argparse.Namespace) -> int:
 
 def _val_out(args: argparse.Namespace) -> str | None:
     """--val-out, or NAME.val.SUFFIX beside --out when a split is asked for; None without a split."""
-    from pathlib import Path
-
-    from scratchlm.errors import UserError
-
     if args.val_fraction is None and args.val_docs is None:
         if args.val_out:
             raise UserError("--val-out needs --val-fraction or --val-docs")
@@ -94,11 +93,7 @@ def _val_out(args: argparse.Namespace) -> str | None:
 
 def _check_encode_output(args: argparse.Namespace, out: str, flag: str) -> None:
     """An output is never an input (a text file or a tokenizer file), and replaces only an earlier token file."""
-    from pathlib import Path
-
     from scratchlm.data.token_file import open_token_file
-    from scratchlm.errors import UserError
-    from scratchlm.output_paths import refuse_inputs
 
     out, tokenizer = Path(out), Path(args.tokenizer)
     if out.is_dir():
