@@ -73,13 +73,6 @@ def _to_device(inputs: np.ndarray, targets: np.ndarray, device: str | torch.devi
     return x.to(device), y.to(device)
 
 
-def _windows_at(dataset: np.ndarray, starts: np.ndarray, context_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Gather the (B, T+1) windows beginning at ``starts``; return (inputs, targets), each (B, T)."""
-    index = starts[:, None] + np.arange(context_length + 1, dtype=np.int64)  # (B, T+1)
-    windows = dataset[index]  # reads only these B*(T+1) tokens
-    return windows[:, :-1], windows[:, 1:]
-
-
 def get_batch(dataset: np.ndarray, batch_size: int, context_length: int, device: str | torch.device, *,
               generator: np.random.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``batch_size`` random windows; returns (inputs, targets), LongTensors of shape (B, T) on device.
@@ -94,7 +87,9 @@ def get_batch(dataset: np.ndarray, batch_size: int, context_length: int, device:
         starts = np.random.randint(0, high, size=batch_size, dtype=np.int64)
     else:
         starts = generator.integers(0, high, size=batch_size, dtype=np.int64)
-    return _to_device(*_windows_at(dataset, starts, context_length), device)
+    index = starts[:, None] + np.arange(context_length + 1, dtype=np.int64)  # (B, T+1)
+    windows = dataset[index]  # reads only these B*(T+1) tokens
+    return _to_device(windows[:, :-1], windows[:, 1:], device)
 
 
 class BatchSampler:

@@ -89,7 +89,7 @@ def _keep(fetched: Path, target: Path, source: str, expected: Expected) -> Path:
     """Give the downloaded ``fetched`` the name ``target``, once it is what ``expected`` says; a file already at
     ``target`` must hold the same bytes (it is never replaced)."""
     if target.exists():
-        if _same_bytes(target, fetched):
+        if os.path.samefile(target, fetched) or filecmp.cmp(target, fetched, shallow=False):
             return target
         raise DownloadError(f"{target} already exists and differs from {source}; move it away or choose another "
                             "--out")
@@ -97,12 +97,10 @@ def _keep(fetched: Path, target: Path, source: str, expected: Expected) -> Path:
     try:
         os.link(fetched, target)
     except OSError:  # the cache is on another disk, or the file system has no hard links
-        _copy_beside(fetched, target)
+        with _temporary_beside(target) as partial:  # a copy, renamed when complete
+            shutil.copyfile(fetched, partial)
+            os.replace(partial, target)
     return target
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    return os.path.samefile(a, b) or filecmp.cmp(a, b, shallow=False)
 
 
 def _check(path: Path, source: str, expected: Expected) -> None:
@@ -113,13 +111,6 @@ def _check(path: Path, source: str, expected: Expected) -> None:
     if expected.sha256 is not None and (got := _file_sha256(path)) != expected.sha256:
         raise DownloadError(f"{source} failed its sha256 check: expected {expected.sha256}, got {got} "
                             f"({size:,} bytes)")
-
-
-def _copy_beside(source: Path, target: Path) -> None:
-    """Copy through a temporary file in ``target``'s folder, renamed when complete."""
-    with _temporary_beside(target) as partial:
-        shutil.copyfile(source, partial)
-        os.replace(partial, target)
 
 
 @contextlib.contextmanager
