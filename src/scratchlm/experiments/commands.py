@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
+
 SWEEP_EPILOG = """examples:
   scratchlm sweep --config configs/tinystories-cpu.toml --grid optim.lr=1e-4,3e-4,1e-3,3e-3 --out runs/lr
   scratchlm sweep --config base.toml --grid optim.lr=1e-3,3e-3 --grid data.batch_size=16,64 --set train.max_steps=300
@@ -40,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     from scratchlm.experiments.sweep import SUMMARY_FILE, SweepSpec, parse_axis, parse_shard, run_sweep
-    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     spec = SweepSpec(base_config=args.config, axes=[parse_axis(g) for g in args.grid], out_dir=args.out,
                      overrides=list(args.overrides), shard=parse_shard(args.shard))
@@ -79,7 +80,6 @@ def expand_run_dirs(paths: list[Path]) -> list[Path]:
 def run_report_command(args: argparse.Namespace) -> int:
     from scratchlm.experiments.report import write_report
     from scratchlm.experiments.sweep import is_sweep_dir
-    from scratchlm.output_paths import refuse_foreign_folder, refuse_inputs, removed_on_failure
 
     runs = expand_run_dirs(args.runs)
     if not runs:
