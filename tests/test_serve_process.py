@@ -125,7 +125,7 @@ def test_bad_limits_are_one_line(run_dir, capsys, argv, message):
 
 def test_a_server_whose_engine_cannot_decode_exits_1_with_the_reason(run_dir, capsys, monkeypatch):
     """Not a healthy-looking server that never answers: one line naming why, and exit 1, before HTTP starts."""
-    def broken_decoding(model, compile=False):
+    def broken_decoding(model, compile=False, batch=None):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
     monkeypatch.setattr(kernels, "decoding", broken_decoding)
