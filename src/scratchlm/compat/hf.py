@@ -31,18 +31,22 @@ class Architecture:
     class_name: str
     qkv_bias: bool  # its q/k/v projections always (True) or never (False) have biases
     qk_norm: bool  # it always (True) or never (False) has q_norm/k_norm
+    off: dict  # the options of its transformers config that export switches off (biases, sliding windows)
     why: str = ""  # why export chooses it; empty: export never does (Llama says the same), import reads it
 
 
 # In export's order: the first that expresses a model exactly is the one export writes.
 ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
+                 off=dict(attention_bias=False, mlp_bias=False),
                  why="RMSNorm, pre-norm, RoPE and SwiGLU without biases or QK-norm are Llama's layout"),
     Architecture("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False,
+                 off=dict(use_sliding_window=False, sliding_window=None),
                  why="qkv_bias=True needs Qwen2's q/k/v biases"),
     Architecture("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
+                 off=dict(attention_bias=False, use_sliding_window=False, sliding_window=None),
                  why="qk_norm=True needs Qwen3's q_norm/k_norm"),
-    Architecture("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False),
+    Architecture("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, off=dict(sliding_window=None)),
 )}
 # What all four share: our switches that must have these values.
 _SHARED_LAYOUT = {"norm": "rmsnorm", "norm_position": "pre", "position": "rope", "ffn": "swiglu"}
@@ -117,22 +121,12 @@ def to_hf_config(cfg: ModelConfig, model_type: str | None = None):
     from transformers import AutoConfig
 
     arch = check_expressible(cfg, model_type)
-    options = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+    return AutoConfig.for_model(
+        arch.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
-        architectures=[arch.class_name])
-    if arch.model_type in ("llama", "qwen3"):
-        options |= dict(attention_bias=False)
-    if arch.model_type == "llama":
-        options |= dict(mlp_bias=False)
-    if arch.model_type in ("qwen2", "qwen3"):
-        options |= dict(use_sliding_window=False, sliding_window=None)
-    if arch.model_type == "mistral":
-        options |= dict(sliding_window=None)
-    return AutoConfig.for_model(arch.model_type, **options)
-
+        architectures=[arch.class_name], **arch.off)
 
 
 def with_both_rope_spellings(document: dict, cfg: ModelConfig) -> dict:
