@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scratchlm.errors import UserError
+from scratchlm.tokenizer.chat_template import check_messages
 
 FORMATS = 'a "messages" list, or "prompt" and "completion" (both strings, or both lists of messages)'
 
@@ -41,7 +42,7 @@ class Completion:
 Example = Conversation | Completion
 
 
-def read_examples(inputs: Sequence[str], *, errors: str = "strict") -> list[Example]:
+def read_examples(inputs: Sequence[str]) -> list[Example]:
     """Every record of the inputs (files, folders, globs), checked, in order; the first bad record is a UserError
     (or a ValueError from the reader: malformed JSON, invalid UTF-8) naming its file and line."""
     from scratchlm.data.sources import expand_inputs, read_json_records
@@ -51,7 +52,7 @@ def read_examples(inputs: Sequence[str], *, errors: str = "strict") -> list[Exam
         if source.format not in ("jsonl", "json"):
             raise UserError(f"{source.path}: fine-tuning reads JSON lines (.jsonl) of {FORMATS}, not a "
                             f"{source.format} file")
-        examples += [checked_example(record, where) for where, record in read_json_records(source, errors=errors)]
+        examples += [checked_example(record, where) for where, record in read_json_records(source)]
     if not examples:
         raise UserError(f"{', '.join(map(str, inputs))}: no records: fine-tuning needs JSON lines of {FORMATS}")
     return examples
@@ -59,8 +60,6 @@ def read_examples(inputs: Sequence[str], *, errors: str = "strict") -> list[Exam
 
 def checked_example(record: object, where: str) -> Example:
     """The example a parsed JSON record holds, or a UserError naming ``where`` and the field."""
-    from scratchlm.tokenizer.chat_template import check_messages
-
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object with {FORMATS}, got {type(record).__name__}")
     if "messages" in record:
@@ -91,8 +90,6 @@ def checked_example(record: object, where: str) -> Example:
 def _conversational_completion(prompt: list, completion: object, where: str) -> Conversation:
     """TRL's conversational prompt-completion record: the conversation prompt + completion, trained from the
     completion on, which ends with the assistant's answer."""
-    from scratchlm.tokenizer.chat_template import check_messages
-
     if not isinstance(completion, list):
         raise UserError(f"{where}: completion: expected a list of messages, as the prompt is one, got "
                         f"{type(completion).__name__}")

@@ -56,7 +56,8 @@ class Rows:
         tokens, counted = self.tokens[index, :width], self.counted[index, :width]
         documents = self.documents[index, :width]
         targets = np.where(_counted_targets(counted, documents), tokens[:, 1:], IGNORED)
-        return MaskedBatch(*_on_device((tokens[:, :-1], targets, documents[:, :-1] if self.packed else None), device))
+        document_ids = _on_device(documents[:, :-1], device) if self.packed else None
+        return MaskedBatch(_on_device(tokens[:, :-1], device), _on_device(targets, device), document_ids)
 
 
 def _counted_targets(counted: np.ndarray, documents: np.ndarray) -> np.ndarray:
@@ -64,12 +65,12 @@ def _counted_targets(counted: np.ndarray, documents: np.ndarray) -> np.ndarray:
     return counted[:, 1:] & (documents[:, 1:] == documents[:, :-1]) & (documents[:, 1:] != PAD_DOCUMENT)
 
 
-def _on_device(arrays: tuple[np.ndarray | None, ...], device: torch.device | str) -> tuple[torch.Tensor | None, ...]:
-    device = torch.device(device)
-    tensors = [None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-    if device.type == "cuda":
-        return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors)
-    return tuple(None if t is None else t.to(device) for t in tensors)
+def _on_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """An int array as a LongTensor on ``device``; pinned + non-blocking when the device is CUDA."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def build_rows(examples: Sequence[Rendered], row_length: int, packing: str, pad_id: int = 0) -> Rows:
@@ -157,8 +158,7 @@ class RowSampler:
         """Continue where ``state`` left off; a state of other rows or another batch size is a ValueError."""
         if not isinstance(state, dict) or state.get("kind") != "rows" or state.get("version") != STATE_VERSION:
             raise ValueError("RowSampler: the checkpoint's sampler state is not a fine-tuning row sampler's")
-        for key in ("batch_size", "num_rows"):
-            mine = len(self.rows) if key == "num_rows" else getattr(self, key)
+        for key, mine in (("batch_size", self.batch_size), ("num_rows", len(self.rows))):
             if state.get(key) != mine:
                 raise ValueError(f"RowSampler: cannot resume, saved {key}={state.get(key)!r} but this run has "
                                  f"{key}={mine!r} (the same data and settings are needed)")
