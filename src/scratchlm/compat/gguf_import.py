@@ -240,14 +240,13 @@ def read_gguf_tokenizer(fields: _Fields, vocab_size: int):
     tokens = fields.get("tokenizer.ggml.tokens", list)
     types = fields.get("tokenizer.ggml.token_type", list, required=False) or [TokenType.NORMAL] * len(tokens)
     merges = fields.get("tokenizer.ggml.merges", list, required=False) or []
-    where = "tokenizer.ggml.tokens"
     if len(types) != len(tokens) or len(tokens) > vocab_size:
         raise ValueError(f"{fields.path}: {len(tokens)} tokens, {len(types)} token types, a model of "
                          f"{vocab_size} ids")
     vocab, specials = {}, []
     for token_id, (text, kind) in enumerate(zip(tokens, types)):
         if kind == TokenType.NORMAL:
-            vocab[token_id] = from_gpt2_string(text, f"{fields.path}: {where}[{token_id}]")
+            vocab[token_id] = from_gpt2_string(text, f"{fields.path}: tokenizer.ggml.tokens[{token_id}]")
         elif kind in (TokenType.CONTROL, TokenType.USER_DEFINED):
             vocab[token_id] = text.encode("utf-8")
             specials.append(text)

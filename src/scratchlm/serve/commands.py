@@ -25,7 +25,6 @@ from scratchlm.generate.commands import add_model_arguments, load_model_and_toke
 T = TypeVar("T")
 
 API_KEY_ENV = "SCRATCHLM_API_KEY"
-LOOPBACK_NAMES = {"localhost"}
 # The Limits fields with a flag (max_batch is --max-batch), in the order --help lists them, and what each means.
 # max_logprobs has no flag: it keeps its default.
 LIMIT_FLAGS = {
@@ -59,6 +58,7 @@ class Limits:
                 raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
         if not self.request_timeout > 0:
             raise ValueError(f"limit request_timeout must be a positive number of seconds, got {self.request_timeout}")
+
 
 EPILOG = f"""examples:
   scratchlm serve runs/demo                          # http://127.0.0.1:8000 (playground at /)
@@ -178,7 +178,7 @@ def off_the_main_thread(work: Callable[[], T]) -> T:
 
 
 def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
