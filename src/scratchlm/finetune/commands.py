@@ -118,7 +118,7 @@ def run_conversations(args: argparse.Namespace) -> int:
     records = (hh_rlhf_conversations(args.input) if args.kind == "hh-rlhf"
                else tinystories_conversations(args.input, args.seed))
     count = 0
-    handle, temporary = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.")
+    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             for record in itertools.islice(records, args.limit):
