@@ -29,20 +29,22 @@ import torch
 from torch import nn
 
 
+def check_nonnegative(optimizer: str, group: dict[str, Any]) -> None:
+    """The lr, eps and weight_decay of a param group must be >= 0 (NaN is refused too); ``optimizer`` names it."""
+    for key, name in (("lr", "learning rate"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+        if not group[key] >= 0.0:
+            raise ValueError(f"{optimizer}: invalid {name} {group[key]!r} (must be >= 0)")
+
+
 def validate_adamw(group: dict[str, Any]) -> None:
     """Checks the hyperparameters of the defaults and of every param group (also those added later)."""
-    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not lr >= 0.0:
-        raise ValueError(f"AdamW: invalid learning rate {lr!r} (must be >= 0)")
+    check_nonnegative("AdamW", group)
+    betas = group["betas"]
     if len(betas) != 2:
         raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"AdamW: invalid beta{index + 1} {beta!r} (must be in [0, 1))")
-    if not eps >= 0.0:
-        raise ValueError(f"AdamW: invalid eps {eps!r} (must be >= 0)")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"AdamW: invalid weight_decay {weight_decay!r} (must be >= 0)")
 
 
 def closure_loss(closure) -> torch.Tensor | None:  # noqa: ANN001 - torch.optim's closure contract

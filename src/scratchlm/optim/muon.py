@@ -31,27 +31,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from scratchlm.optim.adamw import closure_loss
+from scratchlm.optim.adamw import check_nonnegative, closure_loss
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MAX_NS_STEPS = 100  # torch's bound: more steps buy nothing and cost a matrix product each
 MAX_BATCH_ELEMENTS = 2**24  # the multi-tensor path's batches: 64 MB of fp32 (all of a tinystories-17m bucket)
-
-
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # what Newton-Schulz may compute in
+
 
 def validate_muon(group: dict[str, Any]) -> None:
     """Checks the hyperparameters of the defaults and of every param group (also those added later)."""
-    lr, momentum, weight_decay, eps = group["lr"], group["momentum"], group["weight_decay"], group["eps"]
-    coefficients, ns_steps = group["ns_coefficients"], group["ns_steps"]
-    if not lr >= 0.0:
-        raise ValueError(f"Muon: invalid learning rate {lr!r} (must be >= 0)")
+    check_nonnegative("Muon", group)
+    momentum, coefficients, ns_steps = group["momentum"], group["ns_coefficients"], group["ns_steps"]
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"Muon: invalid momentum {momentum!r} (must be in [0, 1))")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Muon: invalid weight_decay {weight_decay!r} (must be >= 0)")
-    if not eps >= 0.0:
-        raise ValueError(f"Muon: invalid eps {eps!r} (must be >= 0)")
     if group["ns_dtype"] not in NS_DTYPES:
         raise ValueError(f"Muon: invalid ns_dtype {group['ns_dtype']!r} (one of {sorted(NS_DTYPES)})")
     if len(coefficients) != 3:
