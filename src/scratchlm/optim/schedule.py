@@ -49,7 +49,9 @@ class Replanned:
         return self.anchor_progress + (1 - self.anchor_progress) * (it - self.anchor) / (self.end - self.anchor)
 
 
-def _validate(max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> None:
+def _validate(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int) -> None:
+    if it < 0:
+        raise ValueError(f"lr schedule: iteration must be >= 0, got {it}")
     if warmup_iters < 0:
         raise ValueError(f"lr schedule: warmup_iters must be >= 0, got {warmup_iters}")
     if warmup_iters > cosine_cycle_iters:
@@ -62,9 +64,7 @@ def _validate(max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iter
 def lr_cosine_schedule(it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int,
                        replanned: Replanned | None = None) -> float:
     """Learning rate at iteration ``it`` (0-based); ``replanned`` (after the warm-up) replaces the cycle's end."""
-    _validate(max_lr, min_lr, warmup_iters, cosine_cycle_iters)
-    if it < 0:
-        raise ValueError(f"lr schedule: iteration must be >= 0, got {it}")
+    _validate(it, max_lr, min_lr, warmup_iters, cosine_cycle_iters)
     if it < warmup_iters:
         return max_lr * it / warmup_iters
     decay = replanned or Replanned(warmup_iters, 0.0, cosine_cycle_iters)
@@ -82,11 +82,9 @@ def lr_wsd_schedule(it: int, max_lr: float, min_lr: float, warmup_iters: int, to
     ``replanned`` replaces the decay's start and end (its anchor, with progress 0 while the decay has not begun)."""
     decay_iters = round(decay_fraction * total_iters)
     decay = replanned or Replanned(total_iters - decay_iters, 0.0, total_iters)
-    _validate(max_lr, min_lr, warmup_iters, total_iters - decay_iters if replanned is None else warmup_iters)
+    _validate(it, max_lr, min_lr, warmup_iters, total_iters - decay_iters if replanned is None else warmup_iters)
     if shape not in ("linear", "1-sqrt"):
         raise ValueError(f"lr schedule: decay shape must be linear or 1-sqrt, got {shape!r}")
-    if it < 0:
-        raise ValueError(f"lr schedule: iteration must be >= 0, got {it}")
     if it < warmup_iters:
         return max_lr * it / warmup_iters
     if it < decay.anchor and decay.anchor_progress == 0:
