@@ -97,10 +97,13 @@ def optimizer_state_from_parts(tensors: dict[str, torch.Tensor], rest: dict[str,
         state.setdefault(int(index), {})[name] = tensor
     for index, values in rest["scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    # JSON turned tuples (betas) into lists; optimizers expect the tuples they were built with.
-    groups = [{k: v if k == "params" or not isinstance(v, list) else tuple(v) for k, v in group.items()}
-              for group in rest["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": [with_tuples(group) for group in rest["param_groups"]]}
+
+
+def with_tuples(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group whose lists, but ``params``, are tuples again: JSON (and torch.distributed's full state dict)
+    turn tuples (betas) into lists, and optimizers expect the tuples they were built with."""
+    return {k: v if k == "params" or not isinstance(v, list) else tuple(v) for k, v in group.items()}
 
 
 # ---- RNG states ---------------------------------------------------------------------------------------------

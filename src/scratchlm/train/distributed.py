@@ -252,7 +252,7 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from scratchlm.train.checkpoint_state import unwrap
+    from scratchlm.train.checkpoint_state import unwrap, with_tuples
 
     model = unwrap(model)
     if not is_fsdp(model):
@@ -265,15 +265,9 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     index_of = {name: index for index, name in enumerate(_names_in_optimizer_order(model, optimizer))}
     return model_state, {
         "state": {index_of[name]: values for name, values in optimizer_state["state"].items()},
-        "param_groups": [_group_with(group, [index_of[name] for name in group["params"]])
+        "param_groups": [dict(with_tuples(group), params=[index_of[name] for name in group["params"]])
                          for group in optimizer_state["param_groups"]],
     }
-
-
-def _group_with(group: dict[str, Any], params: list) -> dict[str, Any]:
-    """A param group with new ``params``; lists back to the tuples the optimizer was built with (betas)."""
-    return {key: params if key == "params" else tuple(value) if isinstance(value, list) else value
-            for key, value in group.items()}
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict | None,
