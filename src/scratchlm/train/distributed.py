@@ -17,7 +17,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from scratchlm.config import RunConfig
 from scratchlm.data.batches import BatchSampler
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,16 @@ def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     total = value.detach().clone()
     dist.all_reduce(total)
     return total / dist.get_world_size()
+
+
+def rank_zeros(value: T) -> T:
+    """Rank 0's ``value`` on every rank (a collective: every rank must call it); ``value`` itself in a single
+    process. What rank 0 measured or planned (a dtype, a budget's plan), so that all ranks train alike."""
+    if not is_distributed():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -29,6 +29,7 @@ from scratchlm.errors import UserError
 from scratchlm.init_source import InitSource, open_source
 from scratchlm.train.budget import plan_budget
 from scratchlm.train.checkpoint import CheckpointManager
+from scratchlm.train.distributed import rank_zeros
 from scratchlm.train.init_from import adopt, with_model
 from scratchlm.train.precision import choose_dtype
 from scratchlm.train.setup import check_data, check_memory_fits, open_token_files
@@ -198,7 +199,7 @@ def _planned(config: RunConfig, saved: RunConfig | None, train_tokens: np.ndarra
         return config.with_values(train={key: getattr(saved.train, key) for key in PLANNED_TRAIN_FIELDS},
                                   optim={"warmup_iters": saved.optim.warmup_iters})
     config, plan = plan_budget(config, train_tokens, started=started)
-    config = _rank_zeros(config.with_values(train={"threads": plan.threads}))
+    config = rank_zeros(config.with_values(train={"threads": plan.threads}))
     if not quiet:
         print(f"{command_name(config)}: {plan.describe(config, len(train_tokens))}", file=sys.stderr, flush=True)
     return config
@@ -214,19 +215,9 @@ def _precision(config: RunConfig, saved: RunConfig | None, device: torch.device,
     dtype, why = choose_dtype(device)
     if not quiet:
         print(f"{command_name(config)}: {why}", file=sys.stderr, flush=True)
-    return _rank_zeros(config.with_values(train={"dtype": dtype}))
+    return rank_zeros(config.with_values(train={"dtype": dtype}))
 
 
 def command_name(config: RunConfig) -> str:
     """The command a run's messages name: fine-tuning runs (data.format = conversations) are `scratchlm finetune`'s."""
     return "scratchlm finetune" if config.data.format == "conversations" else "scratchlm train"
-
-
-def _rank_zeros(config: RunConfig) -> RunConfig:
-    """Under torch.distributed, rank 0's config on every rank (its measured choices: all ranks train the same
-    dtype and stop at the same step); else ``config``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        shared = [config.to_dict()]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        return RunConfig.from_dict(shared[0])
-    return config

@@ -285,10 +285,7 @@ class _Loop:
         """Re-plan the rest of a budgeted run (budget.LivePlan) on rank 0, which every rank then follows; the
         train section of the config it leaves in force."""
         line = self.live.replan(step, self.budget, self.config) if self.logger is not None else None
-        if self.world_size > 1:
-            shared = [self.live.to_dict()]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            self.live = LivePlan(**shared[0])
+        self.live = distributed.rank_zeros(self.live)
         self.config = self.live.applied(self.config)
         if line and not self.quiet:
             print(f"{command_name(self.config)}: {line}", file=sys.stderr, flush=True)
