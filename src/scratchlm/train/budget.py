@@ -73,7 +73,7 @@ class BudgetPlan:
                 f"of the training data)")
 
 
-def measure_step_seconds(config: RunConfig, train_tokens: np.ndarray, steps: int = 5) -> float:
+def measure_step_seconds(config: RunConfig, train_tokens: np.ndarray, steps: int) -> float:
     """Seconds per optimizer step of this config on this machine: one warm-up step, then the median of `steps`,
     on batches of ``train_tokens`` (the run's training data, already opened and checked)."""
     from scratchlm.data.batches import BatchSampler

@@ -90,15 +90,11 @@ def load_checkpoint(src: str | os.PathLike | IO[bytes], model: nn.Module, optimi
 
 # ---- files: fsync'd writes, checksums ------------------------------------------------------------------------
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def _write_json(path: Path, value: Any) -> None:
     with open(path, "wb") as handle:
-        handle.write(data)
+        handle.write(json.dumps(value, indent=1, default=os.fspath).encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _write_json(path: Path, value: Any) -> None:
-    _write_bytes(path, json.dumps(value, indent=1, default=os.fspath).encode("utf-8"))
 
 
 def _read_json(path: Path) -> Any:

@@ -81,8 +81,8 @@ class MetricsLogger:
         else:
             self._bar.set_postfix_str(summary, refresh=False)
 
-    def advance(self, steps: int = 1) -> None:
-        self._bar.update(steps)
+    def advance(self) -> None:
+        self._bar.update(1)
 
     def close(self) -> None:
         self._bar.close()
