@@ -292,3 +292,19 @@ def test_resume_world_1_at_world_2_with_torchrun(data, tmp_path):
     assert (run / "checkpoints" / "step_0000004").is_dir()
     # The setting as given, not rank 0's device: a rank's cuda:N would be refused when resuming under torchrun.
     assert 'device = "auto"' in (run / "config.toml").read_text()
+
+
+@needs_trainer_hooks
+def test_a_budgeted_run_with_auto_dtype_under_torchrun_follows_rank_0s_choices(data, tmp_path):
+    """Rank 0 chooses the dtype, plans the budget and re-plans it; every rank must follow (distributed.rank_zeros),
+    or the ranks would stop at different steps and the run would hang in a collective."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+               "-m", "scratchlm.train", *train_args(data, run, 100_000, "train.dtype=auto"), "--budget", "6s"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("train.dtype = auto") == 1 and done.stderr.count("budget 6 s:") == 1  # rank 0 only
+    steps = [r["step"] for r in metrics(run)]
+    assert steps == sorted(set(steps)) and steps[-1] < 100_000  # one writer; the budget, not max_steps, ended it
+    assert done.stderr.count(f"finished {steps[-1]} steps") == 1
