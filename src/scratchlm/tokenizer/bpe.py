@@ -212,9 +212,7 @@ def reference_encode(
     above the 256 single bytes); special tokens missing from the vocab get ids after the largest one.
     """
     special_tokens = validate_special_tokens(special_tokens)
-    ids_of: dict[bytes, int] = {}
-    for token_id in sorted(vocab, reverse=True):
-        ids_of[vocab[token_id]] = token_id
+    ids_of = {vocab[token_id]: token_id for token_id in sorted(vocab, reverse=True)}  # the lowest id wins
     special_ids = _special_ids(vocab, special_tokens)
     ranks = {pair: rank for rank, pair in reversed(list(enumerate(merges)))}
     ids: list[int] = []
