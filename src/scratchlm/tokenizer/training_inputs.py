@@ -59,15 +59,14 @@ def count_input_pretokens(
     check_error_policy(errors)
     workers = resolve_workers(num_workers)
     inputs = list(inputs)
-    files = plain_text_files(inputs)
-    if files is not None:  # the common case, counted without importing sources.py
-        return count_pretokens(files, special_tokens, num_workers=workers, errors=errors, progress=progress,
-                               pattern=pattern)
-    from scratchlm.data.sources import expand_inputs
+    plain = plain_text_files(inputs)  # the common case, counted without importing sources.py
+    streamed: list[Source] = []
+    if plain is None:
+        from scratchlm.data.sources import expand_inputs
 
-    sources = expand_inputs(inputs)
-    plain = [source.path for source in sources if source.is_plain_text]
-    streamed = [source for source in sources if not source.is_plain_text]
+        sources = expand_inputs(inputs)
+        plain = [source.path for source in sources if source.is_plain_text]
+        streamed = [source for source in sources if not source.is_plain_text]
     counts: Counter[str] = Counter()
     if plain:
         counts = count_pretokens(plain, special_tokens, num_workers=workers, errors=errors, progress=progress,
