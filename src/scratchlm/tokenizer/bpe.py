@@ -126,18 +126,15 @@ class PieceEncoder(Protocol):
 
 def merge_table(merges: list[tuple[bytes, bytes]], bytes_to_id: dict[bytes, int]) -> MergeTable:
     """(left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank."""
-    lookup = bytes_to_id.get
-    lefts = list(map(lookup, [left for left, _ in merges]))
-    rights = list(map(lookup, [right for _, right in merges]))
-    results = list(map(lookup, [left + right for left, right in merges]))
-    if None in lefts or None in rights or None in results:
-        rank = next(r for r, ids in enumerate(zip(lefts, rights, results)) if None in ids)
-        left, right = merges[rank]
-        missing = next(t for t in (left, right, left + right) if t not in bytes_to_id)
-        raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, which is not in the vocab")
-    # Built from the last merge to the first, so a repeated pair ends up with its first (lowest) rank.
-    pairs = zip(lefts[::-1], rights[::-1])
-    return dict(zip(pairs, zip(range(len(merges) - 1, -1, -1), results[::-1])))
+    table: MergeTable = {}
+    for rank, (left, right) in enumerate(merges):
+        merged = left + right
+        if left not in bytes_to_id or right not in bytes_to_id or merged not in bytes_to_id:
+            missing = next(token for token in (left, right, merged) if token not in bytes_to_id)
+            raise ValueError(f"merge #{rank} ({left!r}, {right!r}) uses or makes {missing!r}, which is not in the "
+                             "vocab")
+        table.setdefault((bytes_to_id[left], bytes_to_id[right]), (rank, bytes_to_id[merged]))
+    return table
 
 
 def bpe_merge(ids: list[int], table: MergeTable) -> list[int]:
