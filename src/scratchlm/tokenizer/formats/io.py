@@ -342,24 +342,21 @@ def write_scratchlm_file(path: Path, tokenizer: Tokenizer) -> None:
     tokens = [vocab[i].hex() if i in vocab else None for i in range(max(vocab, default=-1) + 1)]
     vocab_lines = ",\n".join(map(json.dumps, tokens))
     merge_lines = ",\n".join(f"{ids[left]}, {ids[right]}" for left, right in tokenizer.merges)
-    version, tail = FORMAT_VERSION, ""
+    version = FORMAT_VERSION if pipeline == GPT2_PIPELINE else PIPELINE_FORMAT_VERSION
+    keys: dict[str, object] = {"special_tokens": tokenizer.special_tokens}  # and the optional ones, a line each
     if pipeline != GPT2_PIPELINE:
-        version = PIPELINE_FORMAT_VERSION
-        normalizer, ignore_merges = json.dumps("NFC" if pipeline.nfc else None), json.dumps(pipeline.ignore_merges)
-        tail = (f',\n"pattern": {json.dumps(pipeline.pattern)},\n"normalizer": {normalizer},\n'
-                    f'"ignore_merges": {ignore_merges}')
+        keys.update(pattern=pipeline.pattern, normalizer="NFC" if pipeline.nfc else None,
+                    ignore_merges=pipeline.ignore_merges)
     if tokenizer.added_token_flags:
-        flags = {token: {"special": flag.special, "normalized": flag.normalized}
-                 for token, flag in tokenizer.added_token_flags.items()}
-        tail += f',\n"added_token_flags": {json.dumps(flags)}'
-    template = tokenizer.chat_template
-    if template is not None:
-        tail += f',\n"chat_template": {json.dumps({"source": template.source, **template.named_tokens})}'
+        keys["added_token_flags"] = {token: {"special": flag.special, "normalized": flag.normalized}
+                                     for token, flag in tokenizer.added_token_flags.items()}
+    if tokenizer.chat_template is not None:
+        keys["chat_template"] = {"source": tokenizer.chat_template.source, **tokenizer.chat_template.named_tokens}
     if tokenizer.end_of_turn_ids:
-        tail += f',\n"end_of_turn": {json.dumps(list(tokenizer.end_of_turn_ids))}'
+        keys["end_of_turn"] = list(tokenizer.end_of_turn_ids)
+    tail = "".join(f",\n{json.dumps(key)}: {json.dumps(value)}" for key, value in keys.items())
     write_atomic(path, f'{{"format_version": {version},\n"vocab": [\n{vocab_lines}\n],\n'
-                       f'"merges": [\n{merge_lines}\n],\n"special_tokens": {json.dumps(tokenizer.special_tokens)}'
-                       f'{tail}}}\n')
+                       f'"merges": [\n{merge_lines}\n]{tail}}}\n')
 
 
 def write_gpt2_files(directory: Path, vocab: Vocab, merges: Merges) -> None:
