@@ -152,14 +152,14 @@ def bpe_merge(ids: list[int], table: MergeTable) -> list[int]:
 
 class ReadableBPE:
     """``PieceEncoder`` by the rule alone: normalize and pre-tokenize as the pipeline says, then ``bpe_merge`` each
-    pre-token (or, with ignore_merges, look it up whole in ``tokens``: bytes -> id of the ordinary tokens)."""
+    pre-token, or emit it whole when it is in ``tokens`` (bytes -> id, given for the pipeline's ignore_merges)."""
 
     def __init__(self, table: MergeTable, byte_ids: list[int], pipeline: Pipeline = GPT2_PIPELINE,
                  tokens: dict[bytes, int] | None = None) -> None:
         self._table = table
         self._byte_ids = byte_ids  # the id of each of the 256 single bytes
         self._pipeline = pipeline
-        self._whole_tokens = (tokens or {}) if pipeline.ignore_merges else {}
+        self._whole_tokens = tokens or {}
 
     def encode(self, text: str, out: list[int]) -> None:
         self.encode_pretokens(pretokens(self._pipeline.normalize(text), self._pipeline.pattern), out)

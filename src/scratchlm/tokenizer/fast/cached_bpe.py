@@ -47,7 +47,7 @@ _BATCH_MIN_MISS_RATE = 32  # OWT valid after OWT train misses ~1 in 9: 1.2x fast
 
 class CachedBPE:
     """BPE with a merge table ``(left id, right id) -> (rank, merged id)`` and the ids of the 256 bytes, under a
-    pipeline (``tokens``, bytes -> id of the ordinary tokens, is what ignore_merges looks pre-tokens up in).
+    pipeline (``tokens``, bytes -> id, given for the pipeline's ignore_merges: pre-tokens emitted whole).
 
     ``word_cache`` maps a word to the ids of " " + word (GPT-2's pattern only); ``pretoken_cache`` a pre-token to
     its ids. Each is cleared when it would pass ``cache_size`` entries (one batch of new words larger than that is
@@ -60,7 +60,7 @@ class CachedBPE:
         self._byte_ids = byte_ids
         self._cache_size = cache_size
         self._pipeline = pipeline
-        self._whole_tokens = (tokens or {}) if pipeline.ignore_merges else {}
+        self._whole_tokens = tokens or {}
         self.word_cache: dict[str, tuple[int, ...]] = {}
         self.pretoken_cache: dict[str, tuple[int, ...]] = {}
         self._merger: BatchMerger | None = None  # built on the first cold block
