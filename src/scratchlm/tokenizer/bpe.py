@@ -73,10 +73,8 @@ def reference_train_from_counts(
         vocab[len(vocab)] = token.encode("utf-8")
     if vocab_size < len(vocab):
         raise ValueError(f"vocab_size {vocab_size} is smaller than 256 bytes + {len(special_tokens)} special tokens")
-    words: dict[Word, int] = {}
-    for text, count in counts.items():
-        word = tuple(bytes([b]) for b in text.encode("utf-8"))
-        words[word] = words.get(word, 0) + count
+    # Each pre-token is a word of single bytes. A merge keeps a word's bytes, so distinct words stay distinct.
+    words: dict[Word, int] = {tuple(bytes([b]) for b in text.encode("utf-8")): count for text, count in counts.items()}
     merges: list[tuple[bytes, bytes]] = []
     while len(vocab) < vocab_size:
         pair_counts: Counter[tuple[bytes, bytes]] = Counter()
@@ -88,11 +86,7 @@ def reference_train_from_counts(
         best = max(pair_counts, key=lambda pair: (pair_counts[pair], pair))
         merges.append(best)
         vocab[len(vocab)] = best[0] + best[1]
-        merged_words: dict[Word, int] = {}
-        for word, count in words.items():
-            merged = _merge_word(word, best)
-            merged_words[merged] = merged_words.get(merged, 0) + count
-        words = merged_words
+        words = {_merge_word(word, best): count for word, count in words.items()}
     return vocab, merges
 
 
