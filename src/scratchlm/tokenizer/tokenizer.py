@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -243,15 +242,19 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of text; registered special tokens in the text become their ids and are never split."""
         _check_text(text)
-        with _naming_unencodable(text):
+        try:
             return self._encode_text(text)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(text, 0)) from None
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Token ids of text with special tokens treated as plain text (tiktoken's ``encode_ordinary``)."""
         _check_text(text)
         ids: list[int] = []
-        with _naming_unencodable(text):
+        try:
             self._bpe.encode(text, ids)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(text, 0)) from None
         return ids
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
@@ -270,8 +273,10 @@ class Tokenizer:
             if buffered < threshold:
                 continue
             buffer = "".join(parts)
-            with _naming_unencodable(buffer, offset):
+            try:
                 ids, rest = self._split_stable_prefix(buffer)
+            except UnicodeEncodeError:
+                raise ValueError(_unencodable_message(buffer, offset)) from None
             offset += len(buffer) - len(rest)
             parts, buffered = [rest], len(rest)
             # A held-back tail is pre-tokenized again with the next text: when it is long (one pre-token of
@@ -280,8 +285,10 @@ class Tokenizer:
             if ids:
                 yield ids
         buffer = "".join(parts)
-        with _naming_unencodable(buffer, offset):
+        try:
             ids = self._encode_text(buffer)
+        except UnicodeEncodeError:
+            raise ValueError(_unencodable_message(buffer, offset)) from None
         if ids:
             yield ids
 
@@ -416,16 +423,11 @@ def _single_byte_ids(bytes_to_id: dict[bytes, int]) -> list[int]:
     return [bytes_to_id[bytes([value])] for value in range(256)]
 
 
-@contextmanager
-def _naming_unencodable(text: str, offset: int = 0) -> Iterator[None]:
-    """Turn a UnicodeEncodeError raised while encoding text into a ValueError naming the first character that UTF-8
-    cannot encode (a lone surrogate) and its position (offset: the characters encoded before text)."""
+def _unencodable_message(text: str, offset: int) -> str:
+    """Name the first character that UTF-8 cannot encode (a lone surrogate) and its position."""
     try:
-        yield
-    except UnicodeEncodeError:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(f"text is not encodable as UTF-8: character {text[error.start]!r} at position "
-                             f"{offset + error.start} is a lone surrogate") from None
-        raise ValueError("text is not encodable as UTF-8") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"text is not encodable as UTF-8: character {text[error.start]!r} at position "
+                f"{offset + error.start} is a lone surrogate")
+    return "text is not encodable as UTF-8"
