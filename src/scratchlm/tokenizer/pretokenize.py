@@ -142,7 +142,15 @@ def _isolated(compiled: regex.Pattern, text: str) -> list[str]:
         pieces = compiled.findall(text)
         if sum(map(len, pieces)) == len(text):  # every character matched (always, for the named patterns)
             return pieces
-    return [piece for piece, _ in split_on_special_tokens(text, compiled)]  # the same walk: matches and gaps
+    pieces, position = [], 0
+    for match in compiled.finditer(text):
+        if match.start() > position:
+            pieces.append(text[position:match.start()])
+        pieces.append(match.group())
+        position = match.end()
+    if position < len(text):
+        pieces.append(text[position:])
+    return pieces
 
 
 def line_start_boundary(text: str) -> int:
