@@ -1,6 +1,6 @@
 """Generation speed: our KV-cached decoding vs Hugging Face `generate` (its KV cache) vs our no-cache loop.
 
-    .venv/bin/python benchmarks/bench_generate.py            # 240 new tokens, batch 1 and 8, 3 rounds
+    .venv/bin/python benchmarks/bench_generate.py            # 240 new tokens, batch 1 and 8, 3 rounds (--rounds N)
     .venv/bin/python benchmarks/bench_generate.py --quick    # 64 new tokens, 1 round
     .venv/bin/python benchmarks/bench_generate.py --profile  # cProfile of our batch-1 decode, top functions
     .venv/bin/python benchmarks/bench_generate.py --gqa      # grouped-query attention: 8 query heads, 2 KV heads
@@ -209,6 +209,7 @@ def main() -> None:
                         help=f"grouped-query attention ({GQA['num_heads']} query heads, {GQA['num_kv_heads']} KV "
                              "heads) against HF at the same config: tokens/s and KV-cache bytes, batch 1 and 8")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; --quick: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = args.new_tokens or (64 if args.quick else SAME_COMPUTATION_TOKENS)
@@ -224,7 +225,7 @@ def main() -> None:
     shape = f" with {GQA['num_heads']} query heads sharing {GQA['num_kv_heads']} KV heads" if args.gqa else ""
     print(f"{PRESET}{shape}, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} "
           f"threads")
-    repeats = 1 if args.quick else 3
+    repeats = args.rounds or (1 if args.quick else 3)
     if args.gqa:
         for batch in (1, 8):
             bench_gqa(batch, new_tokens, repeats, ours=ours, hf=hf)

@@ -231,6 +231,14 @@ def table(title: str, results: list[Result], unit_work: float | None = None, uni
         print(f"| {r.name} | {r.median:.3f} |{peak_mb} {rate} |")
 
 
+def paired_ratio(a: Result, b: Result) -> float | None:
+    """The median over rounds of a's time / b's time in that round, where both were timed in the same rounds
+    (`interleave`); None otherwise."""
+    if len(a.seconds) != len(b.seconds) or not a.seconds:
+        return None
+    return statistics.median(x / y for x, y in zip(a.seconds, b.seconds))
+
+
 def report(title: str, results: dict[str, Result], ours: str, rival: str, unit_work: float | None = None,
            unit: str = "") -> dict:
     """Print a small table with medians and the ours/rival time ratio (<1 means we are faster)."""
@@ -238,7 +246,11 @@ def report(title: str, results: dict[str, Result], ours: str, rival: str, unit_w
     ratio = a.median / b.median
     table(title, [a, b], unit_work, unit)
     print(f"time ratio {ours}/{rival} = {ratio:.2f} (<= 1.0 means ours is at least as fast)")
-    summary = {"title": title, "ours": ours, "rival": rival, "time_ratio": ratio,
+    paired = paired_ratio(a, b)
+    if paired is not None:
+        print(f"paired: the median of each round's ratio = {paired:.2f} (the two timed side by side in a round see "
+              f"the same machine: steadier where its speed drifts between rounds)")
+    summary = {"title": title, "ours": ours, "rival": rival, "time_ratio": ratio, "paired_time_ratio": paired,
                "medians_s": {r.name: r.median for r in (a, b)},
                "peak_rss_mb": {r.name: r.peak_mb for r in (a, b)}}
     print("JSON " + json.dumps(summary))
