@@ -104,14 +104,14 @@ def test_weights_changed_since_the_compile_are_never_decoded_stale():
     assert compiled_step.compiled_for(model) is not compiled
 
 
-def test_generate_with_compile_samples_from_the_same_distribution():
-    model = _model(torch.bfloat16)
+def test_generate_with_compile_decodes_the_same_tokens():
+    # In float32 the compiled sums differ from the eager ones by round-off only, far below this model's gaps between
+    # logits, so the greedy paths agree token for token (in bf16 a near tie may part them: the step tests above
+    # compare bf16 logits to its tolerance instead).
+    model = _model(torch.float32)
     prompts = [[1, 2, 3], [4, 5]]
     eager = generate(model, prompts, 8, temperature=0.0)
-    compiled = generate(model, prompts, 8, temperature=0.0, compile=True)
-    # bf16 rounds the fused sums differently, so a near tie may part the greedy paths: most tokens agree.
-    agree = sum(a == b for row_a, row_b in zip(eager, compiled) for a, b in zip(row_a, row_b))
-    assert agree >= 12, (eager, compiled)
+    assert generate(model, prompts, 8, temperature=0.0, compile=True) == eager
 
 
 def test_a_failed_compile_decodes_eagerly_and_says_so_once(monkeypatch, caplog):

@@ -18,9 +18,11 @@ from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
 from scratchlm.model.kernels.fused_norm import fused_rms_norm
+from scratchlm.model.kernels.fused_swiglu import fused_swiglu
 from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import PackedLinear, packed_weights
 from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
+from scratchlm.model.transformer import SwiGLU
 
 CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention, "grouped": grouped_causal_attention}
 TOLERANCE = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -166,6 +168,29 @@ def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
     for scale in (1e-3, 1.0, 30.0):
         x = (torch.randn(5, 3, 48, generator=generator) * scale).to(dtype)
         assert torch.equal(fused_rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+# ---- the SwiGLU hidden layer -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 24), (1, 1, 1), (0, 3, 8)])
+def test_the_fused_swiglu_equals_the_readable_hidden_layer_with_gradients(dtype, shape):
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(shape, generator=generator) * 4).to(dtype), torch.randn(shape, generator=generator)
+    gate.view(-1)[:3] = torch.tensor([-100.0, 0.0, 100.0], dtype=dtype)[:gate.numel()]  # saturated and zero gates
+    _assert_same(fused_swiglu, SwiGLU.hidden, [gate, up.to(dtype)], dtype)
+
+
+def test_the_fused_swiglu_differentiates_whichever_input_asks():
+    gate, up = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    for wanted in (gate, up):
+        leaf = wanted.clone().requires_grad_()
+        inputs = (leaf, up) if wanted is gate else (gate, leaf)
+        (got,) = torch.autograd.grad(fused_swiglu(*inputs).sum(), leaf)
+        (want,) = torch.autograd.grad(SwiGLU.hidden(*inputs).sum(), leaf)
+        assert_close(got, want)
+    with torch.no_grad():
+        assert_close(fused_swiglu(gate, up), SwiGLU.hidden(gate, up))
 
 
 needs_native_bf16 = pytest.mark.skipif(not cpu.has_native_bf16(), reason="this CPU (or ATEN_CPU_CAPABILITY / "
@@ -341,11 +366,13 @@ def test_apply_and_readable_switch_every_module_and_keep_the_state_dict():
     attention = fast.layers[0].attn
     assert attention.attention_core is chunked_causal_attention and attention.rope.rotate is rotate_as_complex
     assert all(layer.matmul is few_rows_linear for layer in fast.modules() if isinstance(layer, Linear))
+    assert fast.layers[0].ffn.hidden is fused_swiglu
     on_gpu = kernels.apply(copy.deepcopy(readable), "cuda")
     assert on_gpu.layers[0].attn.attention_core is fused_causal_attention and on_gpu.lm_head.matmul is linear
     kernels.readable(fast)
     assert attention.attention_core is causal_attention and attention.rope.rotate is rotate_pairs
     assert all(layer.matmul is linear for layer in fast.modules() if isinstance(layer, Linear))
+    assert fast.layers[0].ffn.hidden is SwiGLU.hidden
 
 
 def test_decoding_switches_kernels_on_for_its_block_and_keeps_the_callers_choice():

@@ -11,6 +11,7 @@ readable path (values and gradients) in tests/test_kernels.py:
 | grouped_attention | `attention_core`, within `decoding`              | CPU decoding (KV heads not repeated)      |
 | complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
 | fused_norm        | `RMSNorm.normalize`, within `decoding`           | every device (1 op, not 6)                |
+| fused_swiglu      | `SwiGLU.hidden`                                  | every device (6 passes over d_ff, not 11) |
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN (bf16 packs: bf16 ISA)    |
 | decode_step       | `TransformerLM.forward` of decoding and prefills | CPU decoding (fewer, larger ops)          |
@@ -37,16 +38,19 @@ from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
 from scratchlm.model.kernels.fused_norm import fused_rms_norm
+from scratchlm.model.kernels.fused_swiglu import fused_swiglu
 from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import packed_weights
 from scratchlm.model.kernels.swap import swapped
 from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
+from scratchlm.model.transformer import SwiGLU
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
 _HOOKS = ((MultiHeadSelfAttention, "attention_core", causal_attention),
           (RotaryPositionalEmbedding, "rotate", rotate_pairs),
           (Linear, "matmul", linear),
-          (RMSNorm, "normalize", rms_norm))
+          (RMSNorm, "normalize", rms_norm),
+          (SwiGLU, "hidden", SwiGLU.hidden))
 
 
 def choices(device: torch.device | str, fused_attention: bool | None = None) -> dict[type, object]:
@@ -57,12 +61,12 @@ def choices(device: torch.device | str, fused_attention: bool | None = None) -> 
         fused_attention = device.type == "cuda"
     core = fused_causal_attention if fused_attention else chunked_causal_attention
     return {MultiHeadSelfAttention: core, RotaryPositionalEmbedding: rotate_as_complex,
-            Linear: few_rows_linear if device.type == "cpu" else linear, RMSNorm: rms_norm}
+            Linear: few_rows_linear if device.type == "cpu" else linear, RMSNorm: rms_norm, SwiGLU: fused_swiglu}
 
 
 def apply(model: nn.Module, device: torch.device | str | None = None, *,
           fused_attention: bool | None = None) -> nn.Module:
-    """Switch every attention core, RoPE and Linear of `model` to the fastest path on `device` (default: where
+    """Switch every attention core, RoPE, Linear and SwiGLU of `model` to the fastest path on `device` (default: where
     its parameters are); returns the model. State-dict names and results are unchanged."""
     _install(model, choices(device or _device_of(model), fused_attention))
     return model
