@@ -1,10 +1,10 @@
 """Each speed path of model/kernels/ against the readable path it stands in for, and the whole model with and
 without them: what each kernel buys on this machine (the figures its docstring points to).
 
-Shapes are tinystories-17m's (batch 8 x 256, 16 heads of 32, fp32): the attention core and RoPE forward+backward
-as in a training step; a Linear of the decoding shape (one and eight rows through the 10,000 x 512 LM head);
-the model's forward+backward step, and its greedy decoding of 64 tokens at batch 1 and 8 (with the kernels:
-under `kernels.decoding`, as generate() runs). Contenders alternate
+Shapes are tinystories-17m's (batch 8 x 256, 16 heads of 32, d_ff 1,344, fp32): the attention core, RoPE and
+SwiGLU's hidden layer forward+backward as in a training step; a Linear of the decoding shape (one and eight rows
+through the 10,000 x 512 LM head); the model's forward+backward step, and its greedy decoding of 64 tokens at
+batch 1 and 8 (with the kernels: the step `kernels.decoding` yields, as generate() runs). Contenders alternate
 (harness.interleave); each row reports medians and the kernel/readable time ratio (< 1: the kernel is faster).
 
     .venv/bin/python benchmarks/bench_kernels.py [--quick] [--threads 2]
@@ -24,9 +24,11 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
+from scratchlm.model.kernels.fused_swiglu import fused_swiglu
 from scratchlm.model.layers import linear
+from scratchlm.model.transformer import SwiGLU
 
-B, H, T, D_K = 8, 16, 256, 32
+B, H, T, D_K, D_FF = 8, 16, 256, 32, 1344
 
 
 def forward_backward(fn, *inputs: torch.Tensor):
@@ -51,6 +53,13 @@ def bench_rope(repeats: int) -> None:
     results = interleave({"readable": forward_backward(lambda x: rotate_pairs(x, cos, sin), x),
                           "complex": forward_backward(lambda x: rotate_as_complex(x, cos, sin), x)}, repeats=repeats)
     report(f"RoPE, forward+backward, ({B}, {H}, {T}, {D_K})", results, "complex", "readable")
+
+
+def bench_swiglu(repeats: int) -> None:
+    gate, up = torch.randn(B, T, D_FF), torch.randn(B, T, D_FF)
+    results = interleave({"readable": forward_backward(SwiGLU.hidden, gate, up),
+                          "fused": forward_backward(fused_swiglu, gate, up)}, repeats=repeats * 5)
+    report(f"SwiGLU hidden layer SiLU(gate) * up, forward+backward, ({B}, {T}, {D_FF})", results, "fused", "readable")
 
 
 def bench_linear(repeats: int) -> None:
@@ -78,9 +87,9 @@ def bench_model(repeats: int) -> None:
 
         def decode(use_kernels: bool, prompts=prompts):
             if not use_kernels:
-                return _greedy(readable, prompts, 64)
-            with kernels.decoding(readable):  # what generate() decodes under
-                return _greedy(readable, prompts, 64)
+                return _greedy(kernels.forward_step(readable), readable, prompts, 64)
+            with kernels.decoding(readable, batch=len(prompts)) as step:  # what generate() decodes with
+                return _greedy(step, readable, prompts, 64)
 
         results = interleave({"readable": lambda: decode(False), "kernels": lambda: decode(True)}, repeats=repeats)
         report(f"tinystories-17m greedy decoding, 64 tokens, batch {batch} (KV cache)", results, "kernels",
@@ -88,15 +97,15 @@ def bench_model(repeats: int) -> None:
 
 
 @torch.inference_mode()
-def _greedy(model: TransformerLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy decoding as generate() does it, on whatever path the model is on (generate() itself would switch
-    the kernels on): prefill, then one cached token at a time."""
+def _greedy(step: kernels.Step, model: TransformerLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy decoding through `step` (the model's forward, or the step `kernels.decoding` yields): prefill, then
+    one cached token at a time."""
     ids = torch.tensor(prompts)
     cache = KVCache.for_model(model, len(prompts))
-    next_ids = model(ids, kv_cache=cache, last_only=True)[:, -1].argmax(-1)
+    next_ids = step(ids, cache)[:, -1].argmax(-1)
     out = [next_ids]
     for _ in range(new_tokens - 1):
-        next_ids = model(next_ids[:, None], kv_cache=cache)[:, -1].argmax(-1)
+        next_ids = step(next_ids[:, None], cache)[:, -1].argmax(-1)
         out.append(next_ids)
     return torch.stack(out, 1).tolist()
 
@@ -111,6 +120,7 @@ def main() -> None:
     print(f"{args.threads} threads, fp32, {repeats} interleaved repeats")
     bench_attention(repeats)
     bench_rope(repeats)
+    bench_swiglu(repeats)
     bench_linear(repeats)
     bench_model(max(2, repeats // 2))
 

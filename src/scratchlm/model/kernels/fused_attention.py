@@ -2,8 +2,8 @@
 
 Wins on: CUDA GPUs, where one fused kernel that never writes the (T_q, T_k) scores to memory beats a chain of
 matmul and softmax kernels in time and memory; `is_causal` lets it skip the masked half of the work. On a
-CPU the cache-blocked core (chunked_attention.py) is at least as fast (docs/benchmarks.md), so it is opt-in
-there (`train.fused_attention`). This file is the one sanctioned use of torch.nn.functional in model code:
+CPU it is faster alone than the cache-blocked core (chunked_attention.py), but a whole training step ties
+(docs/benchmarks.md, bench_kernels), so it is opt-in there (`train.fused_attention`). This file is the one sanctioned use of torch.nn.functional in model code:
 a speed path switched on from outside, tested equal to the readable core (tests/test_kernels.py).
 """
 
