@@ -1,10 +1,11 @@
 """The causal attention core through torch's fused SDPA kernel (FlashAttention and its kin).
 
 Wins on: CUDA GPUs, where one fused kernel that never writes the (T_q, T_k) scores to memory beats a chain of
-matmul and softmax kernels in time and memory; `is_causal` lets it skip the masked half of the work. On a
-CPU it is faster alone than the cache-blocked core (chunked_attention.py), but a whole training step ties
-(docs/benchmarks.md, bench_kernels), so it is opt-in there (`train.fused_attention`). This file is the one sanctioned use of torch.nn.functional in model code:
-a speed path switched on from outside, tested equal to the readable core (tests/test_kernels.py).
+matmul and softmax kernels in time and memory; `is_causal` lets it skip the masked half of the work. On a CPU it
+is faster alone than the cache-blocked core (chunked_attention.py), but a whole training step ties
+(docs/benchmarks.md, bench_kernels), so it is opt-in there (`train.fused_attention`). This file is the one
+sanctioned use of torch.nn.functional in model code: a speed path switched on from outside, tested equal to the
+readable core (tests/test_kernels.py).
 """
 
 from __future__ import annotations
