@@ -15,8 +15,10 @@ from scratchlm.compat.hf import check_expressible
 from scratchlm.config import RunConfig, load_config
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.model.attention import MultiHeadSelfAttention
+from scratchlm.model.kernels import cpu
 from scratchlm.optim.groups import recipe_param_groups
 from scratchlm.optim.schedule import lr_wsd_schedule
+from scratchlm.train.setup import build_optimizer
 from scratchlm.train.step import learning_rate
 
 MODERN = dict(ffn="relu2", qk_norm=True, zero_init_residual=True, logit_softcap=15.0)
@@ -179,6 +181,19 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest_each_parameter_once()
 def test_muon_is_refused_a_gain_by_name():
     with pytest.raises(ValueError, match=r"selects layers\.0\.ln1\.weight of shape \(64,\): Muon takes 2-D"):
         groups_for("optim.optimizer=muon", "optim.muon_params=^layers")
+
+
+@pytest.mark.parametrize("native_bf16, chosen", [(True, "bfloat16"), (False, "float32")])
+def test_muons_newton_schulz_runs_in_bfloat16_only_where_the_cpu_has_bf16_arithmetic(monkeypatch, native_bf16,
+                                                                                     chosen):
+    # Emulated bf16 products made a tinystories-17m Muon step ~15x slower than float32 ones (docs/benchmarks.md).
+    monkeypatch.setattr(cpu, "has_native_bf16", lambda: native_bf16)
+    config = RunConfig.from_dict({"model": {"preset": "tiny"}, "optim": {"optimizer": "muon"}})
+    optimizer = build_optimizer(TransformerLM(config.model), config)
+    assert {group["ns_dtype"] for group in optimizer.param_groups if group["algorithm"] == "muon"} == {chosen}
+    explicit = config.with_overrides(["optim.muon_ns_dtype=bfloat16"])
+    optimizer = build_optimizer(TransformerLM(config.model), explicit)
+    assert {group["ns_dtype"] for group in optimizer.param_groups if group["algorithm"] == "muon"} == {"bfloat16"}
 
 
 def test_the_cs336_recipe_keeps_its_two_adamw_groups():

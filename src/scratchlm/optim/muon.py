@@ -91,7 +91,8 @@ def newton_schulz(G: torch.Tensor, coefficients: tuple[float, float, float], ste
     A = XX^T is the smaller of the two. Each line is one fused multiply-add with a single rounding, as in
     ``torch.optim.Muon``, which runs in bfloat16: the iteration tolerates the rounding and is cheap in it on GPUs.
     ``dtype="float32"`` runs the same products in float32: more accurate, and faster on CPUs whose bfloat16 matrix
-    products are slower than their float32 ones (measured in docs/benchmarks.md); the trainer picks it on CPU.
+    products are slower than their float32 ones (those without bf16 arithmetic: docs/benchmarks.md); the trainer
+    picks it there.
     """
     a, b, c = coefficients
     tall = G.size(-2) > G.size(-1)

@@ -21,6 +21,7 @@ from scratchlm.accounting.memory import MemoryEstimate, estimate_memory
 from scratchlm.config import DEVICE_PATTERN, RunConfig
 from scratchlm.data.token_file import TokenFile, check_token_file, open_token_file
 from scratchlm.model import TransformerLM, kernels
+from scratchlm.model.kernels import cpu
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.groups import recipe_param_groups
 
@@ -193,8 +194,9 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         from scratchlm.optim.hybrid import MuonAdamW
 
         ns_dtype = optim.muon_ns_dtype
-        if ns_dtype == "auto":  # CPUs tend to multiply float32 faster than bfloat16 (docs/benchmarks.md)
-            ns_dtype = "float32" if next(model.parameters()).device.type == "cpu" else "bfloat16"
+        if ns_dtype == "auto":  # a CPU without bf16 arithmetic emulates it, ~15x slower than float32 (benchmarks.md)
+            on_cpu = next(model.parameters()).device.type == "cpu"
+            ns_dtype = "float32" if on_cpu and not cpu.has_native_bf16() else "bfloat16"
         hyper = {"muon": dict(lr=optim.muon_lr, momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr,
                               ns_dtype=ns_dtype),
                  "adamw": dict(lr=optim.lr, betas=optim.betas, eps=optim.eps)}
