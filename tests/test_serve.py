@@ -169,7 +169,9 @@ def test_lm_evals_loglikelihood_requests_read_every_continuation_token():
         assert all(t == max(alternatives.values()) for t, alternatives in zip(token_logprobs, top)) == greedy
         sampled.append(scores[-1].argmax().item())
         assert logprobs["tokens"][-1] == ("<|endoftext|>" if sampled[-1] == EOS else _text(sampled[-1:]))
-        assert logprobs["token_logprobs"][-1] == pytest.approx(scores[-1].max().item(), rel=1e-6, abs=1e-5)
+        # (the server decodes through the fused kernels, the model above reads as model/ does: float32 round-off,
+        # which this sharp model's logits carry to ~1e-5)
+        assert logprobs["token_logprobs"][-1] == pytest.approx(scores[-1].max().item(), rel=1e-6, abs=1e-4)
         assert choice["finish_reason"] == ("stop" if sampled[-1] == EOS else "length")
         # the end of text is no part of the text
         assert choice["text"] == _text(prompt + ([] if sampled[-1] == EOS else sampled[-1:]))

@@ -99,14 +99,14 @@ def _scratchlm_counts(config: ModelConfig) -> dict[str, int]:
       (5·T·d for multi-head attention); bias adds keep nothing; the softmax output: h·T², ONE tensor
       shared by the in-place softmax's backward and the probs @ V bmm (the mask and 1/√d_k ride along in the
       QKᵀ baddbmm, whose backward keeps Q and K, not the scores);
-    - SwiGLU: its input, W1x (SiLU's backward recomputes the sigmoid from it), SiLU(W1x), W3x and the product:
-      T·d + 4·T·d_ff (SiLU FFN: T·d + 2·T·d_ff; ReLU² FFN: W1x, its ReLU and the square, T·d + 3·T·d_ff);
+    - SwiGLU: its input, W1x and W3x (kernels/fused_swiglu.py's backward recomputes SiLU(W1x)) and the product:
+      T·d + 3·T·d_ff (SiLU FFN: T·d + 2·T·d_ff; ReLU² FFN: W1x, its ReLU and the square, T·d + 3·T·d_ff);
     - ln_final internals (2·T·d + T) and the LM head input (T·d);
     - cross_entropy: its softmax (T·V) and the int64 targets (2·T), kept by its hand-written backward.
     """
     norm = config.norm != "none"
     return dict(norm_td=4 * norm, norm_t=2 * norm, attn_td=1, attn_tq=4, attn_tk=0, attn_htt=1,
-                ffn_td=1, ffn_tf={"swiglu": 4, "silu": 2, "relu2": 3}[config.ffn],
+                ffn_td=1, ffn_tf={"swiglu": 3, "silu": 2, "relu2": 3}[config.ffn],
                 final_td=1 + 2 * norm, final_t=norm, logits_tv=1, logits_t=2)
 
 
