@@ -26,7 +26,8 @@ from scratchlm.model.layers import Embedding, Linear, check_index_dtype, make_no
 
 class SwiGLU(nn.Module):
     """W2 (SiLU(W1 x) ⊙ W3 x): the Llama FFN. `inputs` are the projections of x that `hidden` combines, in its
-    order (a fused decoding step multiplies by them as one)."""
+    order (a fused decoding step multiplies by them as one); model/kernels/ may swap in a fused `hidden` with the
+    same contract."""
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None) -> None:
         super().__init__()
