@@ -66,7 +66,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "original"  # muon: original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
     muon_params: str = MUON_PARAMS  # muon: regular expression over parameter names (matched ones go to Muon)
-    muon_ns_dtype: str = "auto"  # muon: Newton-Schulz in bfloat16 | float32 | auto (bfloat16 unless a CPU emulates it)
+    muon_ns_dtype: str = "auto"  # muon: Newton-Schulz in bfloat16 | float32 | auto (as train.dtype = auto)
 
     def __post_init__(self) -> None:
         _require_choices("optim", self, optimizer=OPTIMIZERS, schedule=SCHEDULES, decay_shape=DECAY_SHAPES,

@@ -15,15 +15,19 @@ import torch
 from scratchlm.model.kernels import cpu
 
 
+def has_bf16_arithmetic(device: torch.device) -> tuple[bool, str]:
+    """(whether `device` multiplies in bf16 natively rather than emulating it, the device named): the one rule
+    behind train.dtype = auto and Muon's Newton-Schulz dtype (optim.muon_ns_dtype = auto)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return cpu.has_native_bf16(), cpu.describe()
+    return False, f"{device.type} (bf16 speed unknown)"
+
+
 def choose_dtype(device: torch.device) -> tuple[str, str]:
     """(the dtype for train.dtype = auto on `device`, a line saying why)."""
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-        where = torch.cuda.get_device_name(device)
-    elif device.type == "cpu":
-        native, where = cpu.has_native_bf16(), cpu.describe()
-    else:
-        native, where = False, f"{device.type} (bf16 speed unknown)"
+    native, where = has_bf16_arithmetic(device)
     chosen = "bf16" if native else "fp32"
     why = "has bf16 arithmetic" if native else "has no bf16 arithmetic (it would be emulated)"
     return chosen, f"train.dtype = auto: {chosen}, as this device {why}: {where}"

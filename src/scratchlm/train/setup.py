@@ -21,9 +21,9 @@ from scratchlm.accounting.memory import MemoryEstimate, estimate_memory
 from scratchlm.config import DEVICE_PATTERN, RunConfig
 from scratchlm.data.token_file import TokenFile, check_token_file, open_token_file
 from scratchlm.model import TransformerLM, kernels
-from scratchlm.model.kernels import cpu
 from scratchlm.optim.adamw import AdamW
 from scratchlm.optim.groups import recipe_param_groups
+from scratchlm.train.precision import has_bf16_arithmetic
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
@@ -194,9 +194,9 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         from scratchlm.optim.hybrid import MuonAdamW
 
         ns_dtype = optim.muon_ns_dtype
-        if ns_dtype == "auto":  # a CPU without bf16 arithmetic emulates it, ~15x slower than float32 (benchmarks.md)
-            on_cpu = next(model.parameters()).device.type == "cpu"
-            ns_dtype = "float32" if on_cpu and not cpu.has_native_bf16() else "bfloat16"
+        if ns_dtype == "auto":  # emulated bf16 is ~15x slower than float32 on a CPU (benchmarks.md)
+            native, _ = has_bf16_arithmetic(next(model.parameters()).device)
+            ns_dtype = "bfloat16" if native else "float32"
         hyper = {"muon": dict(lr=optim.muon_lr, momentum=optim.muon_momentum, adjust_lr_fn=optim.muon_adjust_lr,
                               ns_dtype=ns_dtype),
                  "adamw": dict(lr=optim.lr, betas=optim.betas, eps=optim.eps)}
