@@ -141,19 +141,6 @@ def training_step_flops(config: ModelConfig, context: int, batch: int) -> StepFl
     return StepFlops(forward=fwd, backward=2 * fwd, optimizer=ADAMW_FLOPS_PER_PARAM * count_params(config).total)
 
 
-def flops_share_table(presets: list[str], contexts: list[int]) -> list[dict]:
-    """Rows of (preset, context, forward FLOPs for one sequence, component shares): how the mix moves with size
-    and context length (the T² attention core takes over at long context)."""
-    rows = []
-    for name in presets:
-        config = ModelConfig.preset(name)
-        for context in contexts:
-            flops = forward_flops(config, context, batch=1)
-            rows.append({"preset": name, "context": context, "params": count_params(config).total,
-                         "forward_flops": flops.total, "shares": flops.shares()})
-    return rows
-
-
 @dataclass(frozen=True)
 class MatrixCost:
     """One weight matrix or matmul of the model: its shape, parameters and forward FLOPs over all layers."""

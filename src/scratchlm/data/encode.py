@@ -37,13 +37,13 @@ from scratchlm.data.encode_workers import in_worker, worker_pool
 from scratchlm.data.sources import END_OF_TEXT, HF_PREFIX, Source, decode_utf8, expand_inputs, read_text_blocks
 from scratchlm.data.token_file import TokenFileWriter, open_token_file
 from scratchlm.progress import progress_bar
+from scratchlm.tokenizer.counting import check_error_policy
 from scratchlm.tokenizer.pretokenize import GPT2_SPLIT_PATTERN, has_known_boundaries
 from scratchlm.tokenizer.tokenizer import Tokenizer
 
 READ_BLOCK = 1 << 20
 MIN_CHUNK_BYTES = 1 << 18  # smaller ranges are not worth a task
 CHUNKS_PER_WORKER = 4  # ranges of about the unplanned bytes / (workers * 4)
-ERROR_POLICIES = ("strict", "replace")
 ENGINES = ("scratchlm", "tiktoken")
 SAMPLE_CHARS = 1 << 20  # the tiktoken engine is checked against the tokenizer on the inputs' first megabyte
 _SAFE_NEIGHBOURS = frozenset(range(0x21, 0x7F))  # printable ASCII, never whitespace
@@ -97,8 +97,7 @@ def encode_corpus(tokenizer: Tokenizer | str | Path, inputs: list[str | Path], o
     ``val_fraction`` or ``val_docs``, whole documents go to ``val_out`` instead. ``engine`` is one of ENGINES
     (see the module docstring). Returns sizes and speed."""
     started = time.perf_counter()
-    if errors not in ERROR_POLICIES:
-        raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+    check_error_policy(errors)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if engine not in ENGINES:
