@@ -54,7 +54,7 @@ def test_the_compiled_step_equals_the_forward_with_left_padding(dtype, overrides
 def test_several_bf16_rows_multiply_in_float32_only_without_bf16_arithmetic(monkeypatch, native):
     """The several-rows library's bf16 products: inductor's own where the CPU has bf16 arithmetic, float32 ones
     rounded back once where it has not (what packed_linear.py computes there; the equality test above runs both
-    ways, natively and in scripts/test_avx2.sh). One row keeps the bf16 product either way."""
+    ways, natively and in scripts/test_isa.sh avx2). One row keeps the bf16 product either way."""
     monkeypatch.setattr(cpu, "has_native_bf16", lambda: native)
     step = compiled_step.CompiledStep(_model(torch.bfloat16))
     assert step.one_row_product is compiled_step.linear

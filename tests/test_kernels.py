@@ -308,6 +308,16 @@ def test_without_onednn_nothing_is_packed(monkeypatch):
         assert count == 0 and layer.matmul is linear
 
 
+def _logits_tolerance(want: torch.Tensor, tolerance: dict) -> dict:
+    """`tolerance`, with bf16 logits also allowed 4 bf16 spacings at the logits' largest magnitude: every bf16
+    rounding inside the model is that coarse, and kernels that sum in another order (torch's SDPA on a CPU
+    without AVX2 differed by 2.3 spacings) round differently."""
+    if want.dtype != torch.bfloat16:
+        return tolerance
+    spacing = torch.finfo(torch.bfloat16).eps * 2.0 ** (torch.frexp(want.abs().max().float()).exponent.item() - 1)
+    return tolerance | {"atol": max(tolerance["atol"], 4 * spacing)}
+
+
 # ---- the whole model -------------------------------------------------------------------------------------------
 
 # The switches of pretrained checkpoints: multi-query with q/k/v biases and a head_dim != d_model / num_heads;
@@ -337,7 +347,8 @@ def test_model_with_kernels_equals_readable_model_logits_and_parameter_gradients
     for model in (readable, fast):
         model(ids, attention_mask=mask).float().logsumexp(-1).mean().backward()
     tolerance = TOLERANCE[dtype]
-    assert_close(fast(ids, attention_mask=mask), readable(ids, attention_mask=mask), **tolerance)
+    want = readable(ids, attention_mask=mask)
+    assert_close(fast(ids, attention_mask=mask), want, **_logits_tolerance(want, tolerance))
     for (name, got), want in zip(fast.named_parameters(), readable.parameters()):
         assert torch.isfinite(got.grad).all(), name
         assert_close(got.grad, want.grad, **tolerance, msg=name)
