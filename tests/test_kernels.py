@@ -17,11 +17,10 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.fused_norm import fused_rms_norm
 from scratchlm.model.kernels.fused_swiglu import fused_swiglu
 from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import PackedLinear, packed_weights
-from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
+from scratchlm.model.layers import Linear, linear
 from scratchlm.model.transformer import SwiGLU
 
 CORES = {"chunked": chunked_causal_attention, "fused": fused_causal_attention, "grouped": grouped_causal_attention}
@@ -157,17 +156,6 @@ def test_few_rows_linear_equals_x_wt(rows, dtype, d_in, d_out):
 def test_few_rows_linear_on_another_device_is_x_wt():
     x, weight = torch.randn(1, 8, device="meta"), torch.randn(4, 8, device="meta")
     assert few_rows_linear(x, weight).shape == (1, 4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_the_fused_norm_gives_the_readable_norms_bits(dtype):
-    norm = RMSNorm(48, eps=1e-6, dtype=dtype)
-    with torch.no_grad():
-        norm.weight.normal_()
-    generator = torch.Generator().manual_seed(0)
-    for scale in (1e-3, 1.0, 30.0):
-        x = (torch.randn(5, 3, 48, generator=generator) * scale).to(dtype)
-        assert torch.equal(fused_rms_norm(x, norm.weight, norm.eps), norm(x))
 
 
 # ---- the SwiGLU hidden layer -----------------------------------------------------------------------------------
@@ -390,11 +378,9 @@ def test_decoding_switches_kernels_on_for_its_block_and_keeps_the_callers_choice
     readable, fused = _pair(fused=True)
     with kernels.decoding(readable):
         assert readable.layers[0].attn.attention_core is grouped_causal_attention
-        assert readable.layers[0].ln1.normalize is fused_rms_norm
         matmul = readable.lm_head.matmul  # few_rows_linear, or a packed copy over it (packed_linear.py)
         assert matmul is few_rows_linear or matmul.fallback is few_rows_linear
     assert readable.layers[0].attn.attention_core is causal_attention and readable.lm_head.matmul is linear
-    assert readable.layers[0].ln1.normalize is rms_norm
     with kernels.decoding(fused):
         assert fused.layers[0].attn.attention_core is fused_causal_attention
     assert fused.layers[0].attn.attention_core is fused_causal_attention

@@ -7,9 +7,8 @@ Each mirrors its torch counterpart (`nn.Linear`, `nn.Embedding`, `nn.RMSNorm`, `
   (300² · d > 65504) and loses all precision in bf16.
 - `softmax` and `silu` have hand-written backwards that save only their output / input, as torch's do, not the
   intermediates a chain of primitives would keep alive (which matters for the (B, H, T, T) attention scores).
-- `Linear` computes x Wᵀ through its `matmul` attribute and `RMSNorm` normalizes through `normalize`, which
-  model/kernels/ may swap for faster equivalents; the optional bias is added after `matmul`, so every kernel
-  computes x Wᵀ alone.
+- `Linear` computes x Wᵀ through its `matmul` attribute, which model/kernels/ may swap for faster equivalents; the
+  optional bias is added after `matmul`, so every kernel computes x Wᵀ alone.
 """
 
 from __future__ import annotations
@@ -100,10 +99,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
-        self.normalize = rms_norm  # model/kernels/ may swap in a fused norm with the same contract
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalize(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -10,7 +10,6 @@ readable path (values and gradients) in tests/test_kernels.py:
 | fused_attention   | `MultiHeadSelfAttention.attention_core`          | CUDA (torch's fused SDPA); opt-in on CPU  |
 | grouped_attention | `attention_core`, within `decoding`              | CPU decoding (KV heads not repeated)      |
 | complex_rope      | `RotaryPositionalEmbedding.rotate`               | every device (1 pass over x, not 7)       |
-| fused_norm        | `RMSNorm.normalize`, within `decoding`           | every device (1 op, not 6)                |
 | fused_swiglu      | `SwiGLU.hidden`                                  | every device (6 passes over d_ff, not 11) |
 | few_rows_linear   | `Linear.matmul`                                  | CPU, float32, <= 16 rows (decoding)       |
 | packed_linear     | `Linear.matmul`, within `decoding`               | CPU with oneDNN (bf16 packs: bf16 ISA)    |
@@ -37,19 +36,17 @@ from scratchlm.model.kernels.chunked_attention import chunked_causal_attention
 from scratchlm.model.kernels.complex_rope import rotate_as_complex
 from scratchlm.model.kernels.few_rows_linear import few_rows_linear
 from scratchlm.model.kernels.fused_attention import fused_causal_attention
-from scratchlm.model.kernels.fused_norm import fused_rms_norm
 from scratchlm.model.kernels.fused_swiglu import fused_swiglu
 from scratchlm.model.kernels.grouped_attention import grouped_causal_attention
 from scratchlm.model.kernels.packed_linear import packed_weights
 from scratchlm.model.kernels.swap import swapped
-from scratchlm.model.layers import Linear, RMSNorm, linear, rms_norm
+from scratchlm.model.layers import Linear, linear
 from scratchlm.model.transformer import SwiGLU
 
 # Each swappable contract: the module type, its attribute, and the readable function it holds by default.
 _HOOKS = ((MultiHeadSelfAttention, "attention_core", causal_attention),
           (RotaryPositionalEmbedding, "rotate", rotate_pairs),
           (Linear, "matmul", linear),
-          (RMSNorm, "normalize", rms_norm),
           (SwiGLU, "hidden", SwiGLU.hidden))
 
 
@@ -61,7 +58,7 @@ def choices(device: torch.device | str, fused_attention: bool | None = None) -> 
         fused_attention = device.type == "cuda"
     core = fused_causal_attention if fused_attention else chunked_causal_attention
     return {MultiHeadSelfAttention: core, RotaryPositionalEmbedding: rotate_as_complex,
-            Linear: few_rows_linear if device.type == "cpu" else linear, RMSNorm: rms_norm, SwiGLU: fused_swiglu}
+            Linear: few_rows_linear if device.type == "cpu" else linear, SwiGLU: fused_swiglu}
 
 
 def apply(model: nn.Module, device: torch.device | str | None = None, *,
@@ -91,7 +88,7 @@ def decoding(model: nn.Module, compile: bool = False, batch: int | None = None) 
     steps run compiled (compiled_step.py: bf16 and float32; other models and calls decode as without). Every
     module gets its previous implementation back on exit."""
     device = _device_of(model)
-    chosen = choices(device) | {RMSNorm: fused_rms_norm}  # no autograd, a few tokens against a cache
+    chosen = choices(device)
     if device.type == "cpu":
         chosen[MultiHeadSelfAttention] = grouped_causal_attention
     step, packed, modules = forward_step(model), model, list(model.modules())
