@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_generate.py --quick    # 64 new tokens, 1 round
     .venv/bin/python benchmarks/bench_generate.py --profile  # cProfile of our batch-1 decode, top functions
     .venv/bin/python benchmarks/bench_generate.py --gqa      # grouped-query attention: 8 query heads, 2 KV heads
+    .venv/bin/python benchmarks/bench_generate.py --split    # where our eager fp32 step's time goes, batch 1 and 8
 
 The model is tinystories-17m (context 256) with random weights; HF gets the very same weights through
 compat/hf.py. All decode greedily for exactly `--new-tokens` tokens (HF: min_new_tokens, no eos) after a
@@ -15,6 +16,9 @@ measured in the same run (`harness.copy_bandwidth`). The no-cache loop recompute
 so it runs at batch 1 only (it is the slow one). Ours runs eagerly and with `--compile` (compiled_step.py: its
 libraries are built in the untimed warm-up round; its greedy tokens are compared, not asserted: it sums in another
 order).
+`--split` times our eager fp32 decoding twice, as it runs and with every Linear's product replaced by a stored
+output of the same shape (the tokens are then meaningless; the work around the products is the same): the
+difference is the products' share of a step, the rest the norms, RoPE, attention over the KV cache and dispatch.
 A second part runs both in bf16 (weights and KV cache), ours eager and with `--compile` (its compile timed apart);
 HF in fp32 beside it is a cross-precision reference.
 `--gqa` instead runs the same model with grouped-query attention (8 query heads of 64 sharing 2 KV heads,
@@ -37,6 +41,7 @@ from scratchlm.accounting.params_flops import kv_cache_bytes_per_token
 from scratchlm.compat.hf import to_hf_state_dict
 from scratchlm.generate.decoding import generate
 from scratchlm.model import KVCache, ModelConfig, TransformerLM
+from scratchlm.model.layers import Linear
 
 PRESET = "tinystories-17m"
 PROMPT_LENGTH = 16
@@ -199,12 +204,46 @@ def profile(ours, new_tokens: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
+def split(ours, new_tokens: int, repeats: int) -> None:
+    """Our eager fp32 decoding, as it runs and with the Linear products stored: what the products cost a step."""
+    forward, stored = Linear.forward, {}
+    weight_bytes = sum(layer.weight.nbytes for layer in ours.modules() if isinstance(layer, Linear))
+
+    def stored_product(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        key = (id(layer), x.shape)
+        if key not in stored:
+            stored[key] = forward(layer, x)
+        return stored[key]
+
+    for batch in (1, 8):
+        prompts = random_prompts(batch, ours.config.vocab_size).tolist()
+
+        def run(products, prompts=prompts):
+            Linear.forward = products
+            try:
+                generate(ours, prompts, new_tokens, temperature=0)
+            finally:
+                Linear.forward = forward
+
+        results = interleave({"as it runs": lambda: run(forward), "products stored": lambda: run(stored_product)},
+                             repeats=repeats, warmup=1)
+        whole, rest = results["as it runs"].median / new_tokens, results["products stored"].median / new_tokens
+        table(f"eager fp32 decoding, batch {batch}, {new_tokens} tokens: where a step's time goes",
+              list(results.values()), batch * new_tokens, "tokens", peak=False)
+        print(f"a step: {whole * 1e3:.2f} ms, of it the Linear products {(whole - rest) * 1e3:.2f} ms "
+              f"({1 - rest / whole:.0%}: their {weight_bytes / 1e6:.0f} MB of weights at "
+              f"{weight_bytes / (whole - rest) / 1e9:.1f} GB/s, against a copy bandwidth of {BANDWIDTH[0] / 1e9:.1f} "
+              f"GB/s), the rest {rest * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 new tokens, one timed round")
     parser.add_argument("--profile", action="store_true", help="profile our batch-1 decode instead")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help=f"at most {SAME_COMPUTATION_TOKENS} (default; --quick: 64)")
+    parser.add_argument("--split", action="store_true",
+                        help="where our eager fp32 step's time goes: the Linear products against the rest")
     parser.add_argument("--gqa", action="store_true",
                         help=f"grouped-query attention ({GQA['num_heads']} query heads, {GQA['num_kv_heads']} KV "
                              "heads) against HF at the same config: tokens/s and KV-cache bytes, batch 1 and 8")
@@ -221,6 +260,9 @@ def main() -> None:
     print(f"copy bandwidth: {BANDWIDTH[0] / 1e9:.1f} GB/s (a 256 MiB tensor copied, read + write, median of 5)")
     if args.profile:
         profile(ours, new_tokens)
+        return
+    if args.split:
+        split(ours, new_tokens, args.rounds or (1 if args.quick else 3))
         return
     shape = f" with {GQA['num_heads']} query heads sharing {GQA['num_kv_heads']} KV heads" if args.gqa else ""
     print(f"{PRESET}{shape}, random weights, prompt {PROMPT_LENGTH} tokens, greedy, {torch.get_num_threads()} "
