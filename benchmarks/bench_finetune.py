@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import round_order  # noqa: E402
+from harness import machine_line, round_order  # noqa: E402
 from scratchlm.config import load_config  # noqa: E402
 from scratchlm.data.batches import BatchSampler  # noqa: E402
 from scratchlm.finetune.builders import hh_rlhf_conversations, tinystories_conversations  # noqa: E402
@@ -115,6 +115,7 @@ def main() -> int:
     mean = np.mean([len(e) for e in examples])
     print(f"{len(examples)} {args.conversations} conversations, mean {mean:.0f} tokens (rows of {row}); "
           f"d_model {config.model.d_model}, {config.model.num_layers} layers, batch {BATCH}, {args.threads} threads")
+    print(machine_line())
     print("| layout | s/step | real tokens/s | counted tokens/s | counted tokens/CPU-s |\n|---|---:|---:|---:|---:|")
     for name, total in totals.items():
         seconds = total["seconds"]

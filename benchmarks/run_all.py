@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from harness import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "benchmarks"
@@ -33,15 +34,7 @@ ON_REQUEST = {"bench_quality"}
 
 
 def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__}"
+    return f"{machine_line().removeprefix('machine: ')}; Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def run_one(script: Path, quick: bool) -> tuple[str, str, float, int]:
